@@ -1,0 +1,63 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - create the environment if needed, then a 2-process compressed training run
+#   make test   - install what is needed, then run the test suite
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+CACHE ?= .cache
+PINS := requirements/pins.txt
+# Re-install when any of these change.
+STAMP := $(VENV)/.cgx-installed
+EXT_SRC := $(wildcard cgx/csrc/*.c cgx/csrc/*.h)
+PYTEST_ARGS ?=
+
+.PHONY: demo test install system ext horovod bench bench-kernels bench-allreduce clean distclean help
+
+help:
+	@echo "make demo    - set up (if needed) and run a 2-rank compressed training demo"
+	@echo "make test    - set up (if needed) and run the test suite"
+	@echo "make bench-kernels / bench-allreduce - benchmarks (figures, plots)"
+
+system:
+	@./scripts/install-system-deps.sh
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) setup.cfg setup.py pyproject.toml $(PINS)
+	@./scripts/install-system-deps.sh
+	$(PIP) install -q -c $(PINS) setuptools wheel pip
+	$(PIP) install -q -c $(PINS) --no-build-isolation -e ".[all,dev]"
+	touch $@
+
+# The C extension (fast CPU path) is rebuilt in place when its sources change.
+ext: $(STAMP) $(EXT_SRC)
+	@$(PY) scripts/build_ext.py
+
+install: $(STAMP) ext
+
+# Horovod 0.28.1 built against the pinned torch/TensorFlow, cached under $(CACHE)/wheels.
+horovod: install
+	@./scripts/build-horovod.sh $(PY) $(CACHE)/wheels
+
+demo: install
+	$(VENV)/bin/cgxrun -np 2 $(PY) examples/demo.py
+
+test: install horovod
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench-kernels: install
+	$(PY) benchmarks/kernels.py
+
+bench-allreduce: install
+	$(PY) benchmarks/allreduce.py
+
+clean:
+	rm -rf build *.egg-info cgx/*.so .pytest_cache .hypothesis
+	find . -name __pycache__ -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV) $(CACHE)

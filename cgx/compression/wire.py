@@ -1,0 +1,136 @@
+"""Wire format of max-min bucket quantization, version 1.
+
+This module is the single source of truth for how a quantized segment is laid
+out in memory and on the wire; the torch reference, the C CPU path and the
+Triton kernels all follow it bit for bit (see ``docs/wire-format.md``).
+
+A *segment* is one contiguous run of ``n`` values quantized with ``bits`` bits
+(1..8) in buckets of ``bucket_size`` values (a multiple of 8)::
+
+    nb    = ceil(n / bucket_size)                    number of buckets
+    meta  = nb records of 8 bytes: float32 unit, float32 min (little-endian)
+    codes = bits * ceil(n / 8) bytes, starting at byte 8 * nb
+    size  = 8 * nb + bits * ceil(n / 8), rounded up to a multiple of 8
+
+Codes form one little-endian bit stream: the code of value ``i`` occupies bits
+``[(i % 8) * bits, (i % 8 + 1) * bits)`` of the ``bits``-byte little-endian word
+at byte ``8 * nb + (i // 8) * bits``. So 8 codes fill exactly ``bits`` bytes and,
+with ``bucket_size % 8 == 0``, every bucket starts on a byte boundary. Padding
+codes and padding bytes are zero. ``n == 0`` gives an empty segment.
+
+Encoding one bucket (all arithmetic float32 unless stated, no fused multiply-add)::
+
+    lo, hi = min(x), max(x)
+    if any x is inf or NaN:   unit = min = NaN, every code 0   (decodes to NaN)
+    unit = float32((float64(hi) - float64(lo)) / L)            L = 2**bits - 1
+    if unit < FLT_MIN:        unit = 0                          (constant bucket)
+    inv  = 1 / unit if unit > 0 else 0                          (IEEE division)
+    q    = trunc(clamp((x - lo) * inv + r, 0, L))
+    r    = 0.5 (nearest) or noise(key, index) (stochastic)
+
+Decoding: ``x' = lo + unit * q`` (float32), then cast to the output dtype.
+
+Stochastic noise is counter based, so every rank (and every implementation)
+can recompute it: ``noise(key, i) = (hash32(key, i) >> 8) * 2**-24`` in [0, 1),
+with ``i = index_offset + position`` (uint32, wrapping) and::
+
+    h = i * 0x9E3779B1 + key          (mod 2**32)
+    h ^= h >> 16; h *= 0x85EBCA6B     (mod 2**32)
+    h ^= h >> 13; h *= 0xC2B2AE35     (mod 2**32)
+    h ^= h >> 16
+
+``key`` comes from :func:`noise_key` (seed, step, tensor id, stage).
+
+Standalone payloads (files, tests, debugging) may carry a 16-byte header, see
+:func:`pack_header`; inside collectives segments are headerless because every
+rank derives the same layout from the agreed plan, which records
+``WIRE_VERSION``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+WIRE_VERSION = 1
+META_BYTES_PER_BUCKET = 8
+SEGMENT_ALIGN = 8
+FLT_MIN = 1.1754943508222875e-38  # smallest normal float32
+
+HASH_MUL_INDEX = 0x9E3779B1
+HASH_MUL_1 = 0x85EBCA6B
+HASH_MUL_2 = 0xC2B2AE35
+MASK32 = 0xFFFFFFFF
+
+_HEADER = struct.Struct("<4sBBBBIi")  # magic, version, bits, rounding, reserved, bucket, numel
+HEADER_BYTES = _HEADER.size
+_MAGIC = b"CGXQ"
+
+
+def num_buckets(numel: int, bucket_size: int) -> int:
+    return -(-numel // bucket_size)
+
+
+def codes_nbytes(numel: int, bits: int) -> int:
+    return bits * (-(-numel // 8))
+
+
+def packed_nbytes(numel: int, bits: int, bucket_size: int) -> int:
+    """Bytes of a quantized segment of ``numel`` values (see module docstring)."""
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    raw = META_BYTES_PER_BUCKET * num_buckets(numel, bucket_size) + codes_nbytes(numel, bits)
+    return -(-raw // SEGMENT_ALIGN) * SEGMENT_ALIGN
+
+
+def fmix32(h: int) -> int:
+    """MurmurHash3's 32-bit finalizer (a bijection on uint32)."""
+    h &= MASK32
+    h ^= h >> 16
+    h = (h * HASH_MUL_1) & MASK32
+    h ^= h >> 13
+    h = (h * HASH_MUL_2) & MASK32
+    h ^= h >> 16
+    return h
+
+
+def hash32(key: int, index: int) -> int:
+    """Scalar version of the per-element hash (for documentation and tests)."""
+    return fmix32((index * HASH_MUL_INDEX + key) & MASK32)
+
+
+def noise(key: int, index: int) -> float:
+    """Scalar stochastic-rounding offset in [0, 1) of element ``index``."""
+    return (hash32(key, index) >> 8) * (1.0 / (1 << 24))
+
+
+def noise_key(seed: int, step: int = 0, tensor_id: int = 0, stage: int = 0) -> int:
+    """Fold (seed, step, tensor id, stage) into one uint32 key.
+
+    ``stage`` separates the quantizations of one reduction (e.g. 0 for the
+    scatter, 1 for the requantization of the reduced chunk), so their noise is
+    independent. Every rank computes the same key from the same arguments.
+    """
+    h = fmix32(seed & MASK32) ^ (seed >> 32 & MASK32)
+    for part in (step, tensor_id, stage):
+        h = fmix32((h * HASH_MUL_INDEX + (part & MASK32)) & MASK32) ^ ((part >> 32) & MASK32)
+    return h
+
+
+def pack_header(numel: int, bits: int, bucket_size: int, rounding_code: int) -> bytes:
+    """16-byte header for a standalone payload: b'CGXQ', version, bits, rounding, 0, bucket, numel."""
+    if numel >= 1 << 31:
+        raise ValueError(f"a standalone header holds numel < 2**31, got {numel}")
+    return _HEADER.pack(_MAGIC, WIRE_VERSION, bits, rounding_code, 0, bucket_size, numel)
+
+
+def unpack_header(data: bytes) -> tuple[int, int, int, int]:
+    """Inverse of :func:`pack_header`: (numel, bits, bucket_size, rounding_code)."""
+    if len(data) < HEADER_BYTES:
+        raise ValueError(f"a cgx payload header has {HEADER_BYTES} bytes, got {len(data)}")
+    magic, version, bits, rounding_code, _, bucket, numel = _HEADER.unpack(data[:HEADER_BYTES])
+    if magic != _MAGIC:
+        raise ValueError(f"not a cgx quantized payload (magic {magic!r}, expected {_MAGIC!r})")
+    if version != WIRE_VERSION:
+        raise ValueError(f"cgx payload has wire version {version}; this cgx reads version "
+                         f"{WIRE_VERSION}: use the same cgx version on both ends")
+    return numel, bits, bucket, rounding_code

@@ -1,0 +1,280 @@
+"""One configuration object, fed by environment variables.
+
+Every ``CGX_*`` variable (and the Horovod variables cgx honours) is parsed and
+validated here and nowhere else. Training recipes change compression without a
+code change::
+
+    CGX_COMPRESSION_QUANTIZATION_BITS=4 CGX_COMPRESSION_BUCKET_SIZE=1024 \\
+        cgxrun -np 2 python train.py
+
+Code can also build a :class:`Config` directly, or override fields of the
+environment's config with ``Config.from_env().replace(bits=8)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from typing import Mapping, Optional
+
+from cgx.errors import ConfigError
+
+# Quantization levels cgx packs natively. 32 means "no quantization" (as in the
+# original CGX), which is also what CGX_COMPRESSION_QUANTIZATION_BITS=32 selects.
+MIN_BITS, MAX_BITS, NO_QUANTIZATION_BITS = 1, 8, 32
+MAX_BUCKET_SIZE = 1 << 24
+
+
+class Rounding(enum.Enum):
+    """How a value between two quantization levels picks its code.
+
+    NEAREST:    q = floor((x - min) / unit + 0.5); error <= unit / 2, biased.
+    STOCHASTIC: q = floor((x - min) / unit + r), r ~ U[0, 1) from a counter-based
+                hash of (seed, step, tensor id, element index); unbiased,
+                error < unit, reproducible on every rank.
+    """
+
+    NEAREST = "nearest"
+    STOCHASTIC = "stochastic"
+
+
+class ReductionType(enum.Enum):
+    """Algorithm of a compressed allreduce (``CGX_INNER_REDUCTION_TYPE``).
+
+    SRA:       scatter-reduce-allgather; two quantizations per element.
+    RING:      ring reduce-scatter + allgather; requantizes at every hop.
+    ALLGATHER: every rank gathers everyone's compressed buffer and reduces locally.
+    """
+
+    SRA = "sra"
+    RING = "ring"
+    ALLGATHER = "allgather"
+
+
+class TransportKind(enum.Enum):
+    """Engine that moves bytes between ranks (``CGX_TRANSPORT``)."""
+
+    AUTO = "auto"  # Horovod if launched under it and importable, else torch.distributed
+    TORCH = "torch"  # torch.distributed (Gloo on CPU, NCCL on GPU)
+    MPI = "mpi"  # mpi4py communicators
+    HOROVOD = "horovod"  # Horovod's own collectives
+
+
+class Hierarchy(enum.Enum):
+    """Two-level reduction: inside a node, then across nodes (``CGX_HIERARCHICAL``)."""
+
+    AUTO = "auto"  # on when there are several nodes with several ranks each
+    ON = "on"
+    OFF = "off"
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int,
+         extra: str = "") -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip(), 0)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer; expected a whole number "
+                          f"in [{lo}, {hi}]{extra}") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}={value} is out of range; expected [{lo}, {hi}]{extra}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number; expected a value in "
+                          f"[{lo}, {hi}]") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}={value} is out of range; expected [{lo}, {hi}]")
+    return value
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    if raw is None:
+        return default
+    low = raw.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off")
+
+
+def _enum(env: Mapping[str, str], name: str, cls: type[enum.Enum], default: enum.Enum):
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return cls(raw.strip().lower())
+    except ValueError:
+        allowed = ", ".join(m.value for m in cls)
+        raise ConfigError(f"{name}={raw!r} is not valid; expected one of: {allowed} "
+                          "(case-insensitive)") from None
+
+
+def validate_bits(bits: int, where: str = "bits") -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise ConfigError(f"{where} must be an int, got {type(bits).__name__}")
+    if not (MIN_BITS <= bits <= MAX_BITS or bits == NO_QUANTIZATION_BITS):
+        raise ConfigError(f"{where}={bits} is not supported; expected {MIN_BITS}..{MAX_BITS} "
+                          f"(or {NO_QUANTIZATION_BITS} for no quantization)")
+    return bits
+
+
+def validate_bucket_size(bucket_size: int, where: str = "bucket_size") -> int:
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int):
+        raise ConfigError(f"{where} must be an int, got {type(bucket_size).__name__}")
+    if not 8 <= bucket_size <= MAX_BUCKET_SIZE or bucket_size % 8:
+        raise ConfigError(f"{where}={bucket_size} is not supported; expected a multiple of 8 in "
+                          f"[8, {MAX_BUCKET_SIZE}] (each bucket's codes fill whole bytes), "
+                          "e.g. 512, 1024 or 2048")
+    return bucket_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every knob of cgx, with its environment variable and default.
+
+    Build it from the environment with :meth:`from_env`; fields are validated
+    in ``__post_init__`` so a hand-made Config is checked the same way.
+    """
+
+    # --- quantization (CGX) --------------------------------------------------
+    bits: int = 4  # CGX_COMPRESSION_QUANTIZATION_BITS: 1..8, 32 = off
+    bucket_size: int = 1024  # CGX_COMPRESSION_BUCKET_SIZE: values sharing one (unit, min)
+    minimal_size: int = 1024  # CGX_COMPRESSION_MINIMAL_SIZE: smaller tensors go uncompressed
+    rounding: Rounding = Rounding.STOCHASTIC  # CGX_COMPRESSION_ROUNDING
+    skip_1d: bool = True  # CGX_COMPRESSION_SKIP_1D: biases/norms go uncompressed
+    error_feedback: bool = False  # CGX_COMPRESSION_ERROR_FEEDBACK: keep residuals
+    seed: int = 0  # CGX_SEED: stochastic-rounding seed (same on every rank)
+    layer_config: Optional[str] = None  # CGX_COMPRESSION_CONFIG: YAML of per-layer rules
+
+    # --- collectives ---------------------------------------------------------
+    fusion_buffer_mb: float = 64.0  # CGX_FUSION_BUFFER_SIZE_MB (else HOROVOD_FUSION_THRESHOLD bytes)
+    inner_reduction: ReductionType = ReductionType.SRA  # CGX_INNER_REDUCTION_TYPE
+    cross_reduction: ReductionType = ReductionType.SRA  # CGX_CROSS_REDUCTION_TYPE
+    hierarchical: Hierarchy = Hierarchy.AUTO  # CGX_HIERARCHICAL
+    pipeline_chunk_mb: float = 4.0  # CGX_PIPELINE_CHUNK_MB: sub-chunk for compress/send overlap
+    cpu_threads: int = 1  # CGX_CPU_THREADS: threads for CPU (de)compression
+
+    # --- runtime -------------------------------------------------------------
+    transport: TransportKind = TransportKind.AUTO  # CGX_TRANSPORT
+    timeline: Optional[str] = None  # CGX_TIMELINE (else HOROVOD_TIMELINE): Chrome trace path
+    timeout_s: float = 1800.0  # CGX_TIMEOUT_S: collective timeout before an error
+    verbose: bool = False  # CGX_VERBOSE
+
+    def __post_init__(self):
+        validate_bits(self.bits, "bits (CGX_COMPRESSION_QUANTIZATION_BITS)")
+        validate_bucket_size(self.bucket_size, "bucket_size (CGX_COMPRESSION_BUCKET_SIZE)")
+        if self.minimal_size < 0:
+            raise ConfigError(f"minimal_size={self.minimal_size} must be >= 0")
+        if not 0 < self.fusion_buffer_mb <= 4096:
+            raise ConfigError(f"fusion_buffer_mb={self.fusion_buffer_mb} must be in (0, 4096]")
+        if not 0 < self.pipeline_chunk_mb <= 4096:
+            raise ConfigError(f"pipeline_chunk_mb={self.pipeline_chunk_mb} must be in (0, 4096]")
+        if not 1 <= self.cpu_threads <= 256:
+            raise ConfigError(f"cpu_threads={self.cpu_threads} must be in [1, 256]")
+        for name, cls in (("rounding", Rounding), ("inner_reduction", ReductionType),
+                          ("cross_reduction", ReductionType), ("hierarchical", Hierarchy),
+                          ("transport", TransportKind)):
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name} must be a cgx.config.{cls.__name__}, "
+                                  f"got {getattr(self, name)!r}")
+
+    @property
+    def quantization_enabled(self) -> bool:
+        return self.bits != NO_QUANTIZATION_BITS
+
+    @property
+    def fusion_buffer_bytes(self) -> int:
+        return int(self.fusion_buffer_mb * (1 << 20))
+
+    def replace(self, **changes) -> "Config":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Config":
+        """Parse and validate every cgx variable of ``env`` (default ``os.environ``).
+
+        Raises:
+            ConfigError: naming the variable, the value and the allowed range.
+        """
+        env = os.environ if env is None else env
+        fusion_mb = _float(env, "CGX_FUSION_BUFFER_SIZE_MB", -1.0, 0.0009765625, 4096.0)
+        if fusion_mb < 0:
+            hvd_bytes = _int(env, "HOROVOD_FUSION_THRESHOLD", 64 << 20, 1024, 4 << 30,
+                             " bytes (Horovod's fusion threshold)")
+            fusion_mb = hvd_bytes / (1 << 20)
+        timeline = env.get("CGX_TIMELINE") or env.get("HOROVOD_TIMELINE") or None
+        bits_extra = f" (or {NO_QUANTIZATION_BITS} for no quantization)"
+        bits = _int(env, "CGX_COMPRESSION_QUANTIZATION_BITS", cls.bits, MIN_BITS,
+                    NO_QUANTIZATION_BITS, bits_extra)
+        if MAX_BITS < bits < NO_QUANTIZATION_BITS:
+            raise ConfigError(f"CGX_COMPRESSION_QUANTIZATION_BITS={bits} is out of range; "
+                              f"expected [{MIN_BITS}, {MAX_BITS}]{bits_extra}")
+        bucket = _int(env, "CGX_COMPRESSION_BUCKET_SIZE", cls.bucket_size, 8, MAX_BUCKET_SIZE,
+                      " and a multiple of 8")
+        if bucket % 8:
+            raise ConfigError(f"CGX_COMPRESSION_BUCKET_SIZE={bucket} is not a multiple of 8; "
+                              f"expected a multiple of 8 in [8, {MAX_BUCKET_SIZE}], e.g. 1024")
+        return cls(
+            bits=bits,
+            bucket_size=bucket,
+            minimal_size=_int(env, "CGX_COMPRESSION_MINIMAL_SIZE", cls.minimal_size, 0, 1 << 40),
+            rounding=_enum(env, "CGX_COMPRESSION_ROUNDING", Rounding, cls.rounding),
+            skip_1d=_bool(env, "CGX_COMPRESSION_SKIP_1D", cls.skip_1d),
+            error_feedback=_bool(env, "CGX_COMPRESSION_ERROR_FEEDBACK", cls.error_feedback),
+            seed=_int(env, "CGX_SEED", cls.seed, 0, 2**32 - 1),
+            layer_config=env.get("CGX_COMPRESSION_CONFIG") or None,
+            fusion_buffer_mb=fusion_mb,
+            inner_reduction=_enum(env, "CGX_INNER_REDUCTION_TYPE", ReductionType,
+                                  cls.inner_reduction),
+            cross_reduction=_enum(env, "CGX_CROSS_REDUCTION_TYPE", ReductionType,
+                                  cls.cross_reduction),
+            hierarchical=_enum(env, "CGX_HIERARCHICAL", Hierarchy, cls.hierarchical),
+            pipeline_chunk_mb=_float(env, "CGX_PIPELINE_CHUNK_MB", cls.pipeline_chunk_mb,
+                                     0.0625, 4096.0),
+            cpu_threads=_int(env, "CGX_CPU_THREADS", cls.cpu_threads, 1, 256),
+            transport=_enum(env, "CGX_TRANSPORT", TransportKind, cls.transport),
+            timeline=timeline,
+            timeout_s=_float(env, "CGX_TIMEOUT_S", cls.timeout_s, 1.0, 7 * 24 * 3600.0),
+            verbose=_bool(env, "CGX_VERBOSE", cls.verbose),
+        )
+
+
+# Documented list of variables, used by `cgxrun --help-env` and the README.
+ENV_VARS = {
+    "CGX_COMPRESSION_QUANTIZATION_BITS": "bits per value, 1..8; 32 disables quantization (default 4)",
+    "CGX_COMPRESSION_BUCKET_SIZE": "values per (unit, min) bucket, multiple of 8 (default 1024)",
+    "CGX_COMPRESSION_MINIMAL_SIZE": "tensors with fewer elements travel uncompressed (default 1024)",
+    "CGX_COMPRESSION_ROUNDING": "nearest | stochastic (default stochastic)",
+    "CGX_COMPRESSION_SKIP_1D": "1-D tensors (biases, norms) travel uncompressed (default 1)",
+    "CGX_COMPRESSION_ERROR_FEEDBACK": "keep the quantization residual and add it next step (default 0)",
+    "CGX_COMPRESSION_CONFIG": "YAML file of per-layer rules (exclude, bits, bucket size)",
+    "CGX_SEED": "seed of stochastic rounding, the same on every rank (default 0)",
+    "CGX_FUSION_BUFFER_SIZE_MB": "fusion buffer size in MB (default 64; else HOROVOD_FUSION_THRESHOLD)",
+    "CGX_INNER_REDUCTION_TYPE": "sra | ring | allgather, inside a node (default sra)",
+    "CGX_CROSS_REDUCTION_TYPE": "sra | ring | allgather, across nodes (default sra)",
+    "CGX_HIERARCHICAL": "auto | on | off: reduce inside nodes first (default auto)",
+    "CGX_PIPELINE_CHUNK_MB": "sub-chunk size for overlapping compression with sending (default 4)",
+    "CGX_CPU_THREADS": "threads for CPU (de)compression (default 1)",
+    "CGX_TRANSPORT": "auto | torch | mpi | horovod (default auto)",
+    "CGX_TIMELINE": "write a Chrome-trace timeline here (else HOROVOD_TIMELINE)",
+    "CGX_TIMEOUT_S": "seconds before a stuck collective raises (default 1800)",
+    "CGX_VERBOSE": "log what cgx decides (default 0)",
+}

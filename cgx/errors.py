@@ -1,0 +1,36 @@
+"""Errors cgx raises on purpose.
+
+Every error says what was expected, what arrived, and what to change.
+User mistakes are ``ValueError``/``TypeError`` subclasses so that generic
+handlers keep working.
+"""
+
+
+class CGXError(RuntimeError):
+    """Base class for runtime failures inside cgx (not user input)."""
+
+
+class ConfigError(ValueError):
+    """An environment variable or option holds a value cgx cannot use."""
+
+
+class NotInitializedError(CGXError):
+    """A call needs ``cgx.init()`` first."""
+
+    def __init__(self, what: str = "this call"):
+        super().__init__(f"{what} needs cgx.init() (or cgx.torch.init()) to be called first")
+
+
+class MissingDependencyError(ImportError):
+    """An optional dependency is missing; the message names the extra to install."""
+
+    def __init__(self, module: str, extra: str, purpose: str):
+        super().__init__(
+            f"{purpose} needs the Python package '{module}', which is not installed. "
+            f"Install it with: pip install 'cgx[{extra}]'"
+        )
+        self.name = module
+
+
+class CollectiveMismatchError(CGXError):
+    """Ranks disagree on what to reduce (different tensors, sizes or settings)."""

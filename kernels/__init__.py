@@ -1,0 +1,1 @@
+"""Triton kernels of cgx, installed as ``cgx.kernels``."""
