@@ -1,0 +1,206 @@
+"""Compressed allreduce algorithms, written once over the Transport interface.
+
+All three reduce a list of flat float tensors in place (the fused
+*segments*, see ``layout.py``) and leave bit-identical values on every rank:
+whatever a rank keeps of its own reduction is the decoded form of the bytes
+it sent, because the final quantization writes its decoded values back
+(``quantize(..., write_back=True)``).
+
+SRA (scatter-reduce-allgather), per block::
+
+    rank r quantizes chunk c for every peer c != r      (quantization 1)
+    alltoall                                            every rank gets its chunk from all
+    rank r adds the decoded peer chunks to its own chunk, scales
+    rank r requantizes its chunk (write back)           (quantization 2)
+    allgather                                           every rank decodes every chunk
+
+RING: like SRA, but the reduce-scatter walks the ring in ``W - 1`` hops and
+requantizes the running partial sum at each hop (``W - 1`` quantizations
+before the final one); suits engines without a fast all-to-all.
+
+ALLGATHER: every rank quantizes its whole buffer once, all-gathers, and sums
+the ``W`` decoded buffers in rank order; one quantization, ``W`` times the
+decoding work; good for 2-4 ranks and tiny buffers.
+
+Error bound (nearest rounding, unit u of a bucket): SRA adds at most
+``(W - 1) * u1 / 2`` in the scatter (each peer's contribution) and ``u2 / 2``
+in the gather, where ``u1`` is the unit of the peer's bucket and ``u2`` of the
+reduced bucket; stochastic rounding doubles these bounds but is unbiased.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+import torch
+
+from cgx.comm.base import Transport
+from cgx.compression import wire
+from cgx.compression.quantization import dequantize, quantize
+from cgx.collectives.layout import Block, Piece, Plan
+from cgx.collectives.pipeline import BlockProgram, PhaseTimer
+from cgx.config import ReductionType
+
+
+@dataclasses.dataclass
+class ReduceContext:
+    """Everything a block program needs; one per fused allreduce call.
+
+    Attributes:
+        tensors: flat, contiguous float views of the fused tensors (reduced in place).
+        transport: the group to reduce over.
+        scale: factor applied to the reduced sum (1/W for average, times postscale).
+        seed, step, buffer_id: stochastic-rounding key parts (same on every rank).
+        timer: where phase times are summed.
+        backend: quantization backend (see ``cgx.compression.quantization.Backend``).
+    """
+
+    tensors: Sequence[torch.Tensor]
+    transport: Transport
+    scale: float = 1.0
+    seed: int = 0
+    step: int = 0
+    buffer_id: int = 0
+    timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
+    backend: str = "auto"
+
+    def key(self, stage: int) -> int:
+        return wire.noise_key(self.seed, self.step, self.buffer_id, stage)
+
+    # -- piece-level helpers ---------------------------------------------------
+
+    def values(self, p: Piece) -> torch.Tensor:
+        return self.tensors[p.segment][p.offset: p.offset + p.numel]
+
+    def compress(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int, stage: int,
+                 write_back: bool = False) -> None:
+        key = self.key(stage)
+        for p in pieces:
+            quantize(self.values(p), p.spec, out=buf[base + p.byte_offset: base + p.byte_offset + p.nbytes],
+                     key=key, index_offset=p.index, write_back=write_back, backend=self.backend)
+
+    def decode(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int,
+               accumulate: bool) -> None:
+        for p in pieces:
+            dequantize(buf[base + p.byte_offset: base + p.byte_offset + p.nbytes], p.numel, p.spec,
+                       out=self.values(p), accumulate=accumulate, backend=self.backend)
+
+    def rescale(self, pieces: Sequence[Piece]) -> None:
+        if self.scale != 1.0:
+            for p in pieces:
+                self.values(p).mul_(self.scale)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.transport.device)
+
+
+def sra_scatter(ctx: ReduceContext, block: Block) -> BlockProgram:
+    """Reduce-scatter half of SRA: afterwards chunk ``rank`` holds the (unscaled) sum."""
+    t, r, W, S = ctx.transport, ctx.transport.rank, ctx.transport.size, block.slot_bytes
+    if S == 0:
+        return
+    send, recv = ctx.empty(W * S), ctx.empty(W * S)
+    with ctx.timer.time("compress"):
+        for c in range(W):
+            if c != r:
+                ctx.compress(block.chunks[c], send, c * S, stage=1 + r)
+    yield t.alltoall(recv, send, async_op=True)
+    with ctx.timer.time("reduce"):
+        for j in range(W):
+            if j != r:
+                ctx.decode(block.chunks[r], recv, j * S, accumulate=True)
+
+
+def sra_gather(ctx: ReduceContext, block: Block, owned: int, owner_of=None) -> BlockProgram:
+    """Allgather half: scale and requantize chunk ``owned``, then decode everyone's.
+
+    ``owner_of(j)`` is the chunk rank ``j`` owns (identity for SRA).
+    """
+    t, r, W, S = ctx.transport, ctx.transport.rank, ctx.transport.size, block.slot_bytes
+    if S == 0:
+        return
+    owner_of = owner_of or (lambda j: j)
+    mine = block.chunks[owned]
+    gsend, grecv = ctx.empty(S), ctx.empty(W * S)
+    with ctx.timer.time("reduce"):
+        ctx.rescale(mine)
+        ctx.compress(mine, gsend, 0, stage=0, write_back=True)
+    yield t.allgather(grecv, gsend, async_op=True)
+    with ctx.timer.time("decompress"):
+        for j in range(W):
+            if j != r:
+                ctx.decode(block.chunks[owner_of(j)], grecv, j * S, accumulate=False)
+
+
+def sra_block(ctx: ReduceContext, block: Block) -> BlockProgram:
+    yield from sra_scatter(ctx, block)
+    yield from sra_gather(ctx, block, ctx.transport.rank)
+
+
+def ring_block(ctx: ReduceContext, block: Block) -> BlockProgram:
+    t, r, W, S = ctx.transport, ctx.transport.rank, ctx.transport.size, block.slot_bytes
+    if S == 0:
+        return
+    nxt, prv = (r + 1) % W, (r - 1) % W
+    send, recv = ctx.empty(S), ctx.empty(S)
+    for hop in range(W - 1):
+        c_send, c_recv = (r - hop) % W, (r - hop - 1) % W
+        with ctx.timer.time("compress"):
+            # From the second hop on, chunk c_send holds a partial sum: requantized here.
+            ctx.compress(block.chunks[c_send], send, 0, stage=1 + hop * W + r)
+        yield t.sendrecv(send, nxt, recv, prv, async_op=True)
+        with ctx.timer.time("reduce"):
+            ctx.decode(block.chunks[c_recv], recv, 0, accumulate=True)
+    yield from sra_gather(ctx, block, (r + 1) % W, owner_of=lambda j: (j + 1) % W)
+
+
+def allgather_block(ctx: ReduceContext, block: Block) -> BlockProgram:
+    """Needs a plan made with ``world_size=1`` (one chunk per block)."""
+    t, r, W, S = ctx.transport, ctx.transport.rank, ctx.transport.size, block.slot_bytes
+    if S == 0:
+        return
+    pieces = block.chunks[0]
+    send, recv = ctx.empty(S), ctx.empty(W * S)
+    with ctx.timer.time("compress"):
+        ctx.compress(pieces, send, 0, stage=1 + r)
+    yield t.allgather(recv, send, async_op=True)
+    with ctx.timer.time("decompress"):
+        for j in range(W):  # rank order: the same float sum on every rank
+            ctx.decode(pieces, recv, j * S, accumulate=j > 0)
+        ctx.rescale(pieces)
+
+
+_PROGRAMS = {
+    ReductionType.SRA: sra_block,
+    ReductionType.RING: ring_block,
+    ReductionType.ALLGATHER: allgather_block,
+}
+
+
+def chunks_per_block(algorithm: ReductionType, world_size: int) -> int:
+    """World size the plan must be cut for (allgather keeps blocks whole)."""
+    return 1 if algorithm is ReductionType.ALLGATHER else world_size
+
+
+def programs(algorithm: ReductionType, ctx: ReduceContext, plan: Plan) -> Iterator[BlockProgram]:
+    if plan.world_size != chunks_per_block(algorithm, ctx.transport.size):
+        raise ValueError(f"plan cut for {plan.world_size} chunks cannot run {algorithm.value} "
+                         f"over {ctx.transport.size} ranks")
+    make = _PROGRAMS[algorithm]
+    return (make(ctx, b) for b in plan.blocks)
+
+
+def wire_bytes_sent(algorithm: ReductionType, plan: Plan, world_size: int) -> int:
+    """Bytes one rank puts on the wire for ``plan`` (padding included, self-sends excluded)."""
+    W = world_size
+    if W == 1:
+        return 0
+    total = 0
+    for b in plan.blocks:
+        S = b.slot_bytes
+        if algorithm is ReductionType.ALLGATHER:
+            total += (W - 1) * S
+        else:  # SRA (alltoall to peers) and RING (W - 1 hops), then an allgather
+            total += 2 * (W - 1) * S
+    return total

@@ -1,0 +1,293 @@
+"""Fused, compressed allreduce of lists of tensors: the API the adapters call.
+
+Example::
+
+    reducer = Reducer(transport, config)
+    specs = [QuantSpec(4, 1024), None]          # None: this one travels exact
+    reducer.allreduce([weight_grad, bias_grad], specs, op=ReduceOp.AVERAGE)
+    handle = reducer.allreduce_async(tensors, specs)   # runs on the engine thread
+    handle.wait()
+
+Tensors are reduced in place. Compressed tensors are never copied into a
+float fusion buffer: only their compressed bytes are fused (see
+``layout.py``). Tensors without a spec (small ones, 1-D ones, excluded
+layers) are concatenated per dtype into plain buffers of at most
+``fusion_buffer_mb`` and reduced exactly by the engine's own allreduce.
+Compression applies to ``Sum`` and ``Average``; ``Min``, ``Max`` and
+``Product`` always travel exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from typing import Optional, Sequence
+
+import torch
+
+from cgx.comm.base import ReduceOp, Transport
+from cgx.compression.quantization import FLOAT_DTYPES, QuantSpec
+from cgx.config import Config, Hierarchy, ReductionType
+from cgx.collectives import algorithms as alg
+from cgx.collectives import pipeline
+from cgx.collectives.engine import Engine, Handle
+from cgx.collectives.layout import make_plan
+from cgx.timeline import Timeline
+
+PIPELINE_DEPTH = 3  # collectives in flight: enough to keep one link busy
+
+
+@dataclasses.dataclass
+class ReduceStats:
+    """What one call (or, summed, many calls) cost.
+
+    Attributes:
+        calls: number of allreduce calls.
+        numel: values reduced.
+        input_bytes: their size as sent uncompressed (dtype bytes).
+        wire_bytes: bytes this rank sent (compressed payloads, padding included).
+        seconds: time per phase: compress, reduce, decompress, wait (blocked on
+            the wire), plain (uncompressed allreduce), total.
+    """
+
+    calls: int = 0
+    numel: int = 0
+    input_bytes: int = 0
+    wire_bytes: int = 0
+    seconds: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, other: "ReduceStats") -> None:
+        self.calls += other.calls
+        self.numel += other.numel
+        self.input_bytes += other.input_bytes
+        self.wire_bytes += other.wire_bytes
+        for k, v in other.seconds.items():
+            self.seconds[k] = self.seconds.get(k, 0.0) + v
+
+    @property
+    def ratio(self) -> float:
+        """Uncompressed wire bytes (ring allreduce) over actual wire bytes."""
+        return self.seconds.get("_fp32_wire", 0.0) / self.wire_bytes if self.wire_bytes else 1.0
+
+
+def _plain_wire_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring allreduce of ``nbytes``."""
+    return 2 * (world - 1) * nbytes // world if world > 1 else 0
+
+
+class Reducer:
+    """Reduces tensor lists over a transport, compressed where a spec says so.
+
+    Args:
+        transport: the group (``cgx.runtime.transport()`` by default in adapters).
+        config: fusion size, algorithms, pipeline block, seed (default: from env).
+        local, cross: sub-transports for hierarchical reduction (ranks of this
+            node; ranks with this local rank on other nodes).
+        timeline: optional Chrome-trace timeline.
+    """
+
+    def __init__(self, transport: Transport, config: Optional[Config] = None, *,
+                 local: Optional[Transport] = None, cross: Optional[Transport] = None,
+                 timeline: Optional[Timeline] = None):
+        self.transport = transport
+        self.config = config or Config.from_env()
+        self.local, self.cross = local, cross
+        if (local is None) != (cross is None):
+            raise ValueError("pass both `local` and `cross` transports for hierarchical "
+                             "reduction, or neither")
+        if local is not None and local.size * cross.size != transport.size:
+            raise ValueError(f"local size {local.size} x cross size {cross.size} != world size "
+                             f"{transport.size}: hierarchical reduction needs the same number "
+                             "of ranks on every node")
+        self.timeline = timeline or Timeline(None)
+        self.calls = 0  # part of the state: feeds the stochastic-rounding key
+        self.totals = ReduceStats()
+        self._engine: Optional[Engine] = None
+
+    # -- state ------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state["calls"])
+
+    # -- public API -------------------------------------------------------------
+
+    @property
+    def hierarchical(self) -> bool:
+        h = self.config.hierarchical
+        if self.local is None or h is Hierarchy.OFF:
+            return False
+        return h is Hierarchy.ON or (self.local.size > 1 and self.cross.size > 1)
+
+    def allreduce(self, tensors: Sequence[torch.Tensor],
+                  specs: Optional[Sequence[Optional[QuantSpec]]] = None, *,
+                  op: ReduceOp = ReduceOp.AVERAGE, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0, algorithm: Optional[ReductionType] = None,
+                  name: Optional[str] = None) -> ReduceStats:
+        """Reduce ``tensors`` in place over the group; returns this call's stats.
+
+        Args:
+            tensors: contiguous tensors on ``transport.device``; compressed ones
+                must be float32/float16/bfloat16.
+            specs: one QuantSpec (compress) or None (exact) per tensor; None
+                for the whole argument means all exact.
+            op: Sum or Average compress; Min/Max/Product travel exact.
+            prescale_factor, postscale_factor: multiply before / after the reduction.
+            algorithm: SRA, RING or ALLGATHER (default: ``config.inner_reduction``).
+            name: label for the timeline and the stochastic-rounding key.
+        """
+        tensors, specs = self._validate(tensors, specs, op)
+        t_start = time.perf_counter()
+        algorithm = algorithm or self.config.inner_reduction
+        if not isinstance(algorithm, ReductionType):
+            raise TypeError(f"algorithm must be a cgx.ReductionType, got {algorithm!r}")
+        world = self.transport.size
+        scale = postscale_factor / world if op is ReduceOp.AVERAGE else postscale_factor
+        if prescale_factor != 1.0:
+            for t in tensors:
+                t.mul_(prescale_factor)
+        stats = ReduceStats(calls=1)
+        timer = pipeline.PhaseTimer(self.timeline)
+        comp = [i for i, s in enumerate(specs) if s is not None] if op in (
+            ReduceOp.SUM, ReduceOp.AVERAGE) else []
+        plain = [i for i in range(len(tensors)) if i not in set(comp)]
+        buffer_id = zlib.crc32(name.encode()) if name else 0
+        fp32_wire = 0
+        if comp and world > 1:
+            views = [tensors[i].view(-1) for i in comp]
+            segs = tuple((v.numel(), specs[i]) for v, i in zip(views, comp))
+            stats.wire_bytes += self._compressed(views, segs, algorithm, scale, buffer_id, timer)
+            fp32_wire += _plain_wire_bytes(sum(v.numel() * 4 for v in views), world)
+        elif comp and scale != 1.0:
+            for i in comp:
+                tensors[i].mul_(scale)
+        if plain:
+            with timer.time("plain"):
+                stats.wire_bytes += self._plain([tensors[i] for i in plain], op, scale)
+            fp32_wire += _plain_wire_bytes(sum(tensors[i].numel() * 4 for i in plain), world)
+        self.calls += 1
+        stats.numel = sum(t.numel() for t in tensors)
+        stats.input_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        stats.seconds = dict(timer.seconds)
+        stats.seconds["total"] = time.perf_counter() - t_start
+        stats.seconds["_fp32_wire"] = float(fp32_wire)
+        if self.timeline.enabled:
+            self.timeline.add(f"allreduce {name or ''}".strip(), t_start, stats.seconds["total"],
+                              args={"numel": stats.numel, "wire_bytes": stats.wire_bytes})
+        self.totals.add(stats)
+        return stats
+
+    def allreduce_async(self, tensors: Sequence[torch.Tensor],
+                        specs: Optional[Sequence[Optional[QuantSpec]]] = None,
+                        **kwargs) -> Handle:
+        """Like :meth:`allreduce`, run on the engine thread; ``handle.wait()`` returns the stats.
+
+        Submissions run in order; submit in the same order on every rank.
+        """
+        if self._engine is None:
+            self._engine = Engine(self.transport.device)
+        # Validate here so that a user error raises in the caller, not in the engine.
+        tensors, specs = self._validate(tensors, specs, kwargs.get("op", ReduceOp.AVERAGE))
+        return self._engine.submit(self.allreduce, (tensors, specs), kwargs,
+                                   label=kwargs.get("name") or "allreduce")
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    # -- internals ----------------------------------------------------------------
+
+    def _validate(self, tensors, specs, op):
+        if isinstance(tensors, torch.Tensor) or not all(isinstance(t, torch.Tensor)
+                                                        for t in tensors):
+            raise TypeError("tensors must be a list of torch.Tensor (wrap a single tensor in a list)")
+        tensors = list(tensors)
+        if specs is None:
+            specs = [None] * len(tensors)
+        specs = list(specs)
+        if len(specs) != len(tensors):
+            raise ValueError(f"got {len(specs)} specs for {len(tensors)} tensors; pass one "
+                             "QuantSpec or None per tensor")
+        if not isinstance(op, ReduceOp):
+            raise TypeError(f"op must be a cgx ReduceOp, got {op!r}")
+        dev = self.transport.device
+        for i, (t, s) in enumerate(zip(tensors, specs)):
+            if t.device != dev:
+                raise ValueError(f"tensor {i} is on {t.device} but this transport "
+                                 f"({self.transport.name}) reduces tensors on {dev}")
+            if not t.is_contiguous():
+                raise ValueError(f"tensor {i} is not contiguous; call .contiguous() first")
+            if s is not None:
+                if not isinstance(s, QuantSpec):
+                    raise TypeError(f"specs[{i}] must be a QuantSpec or None, got {s!r}")
+                if t.dtype not in FLOAT_DTYPES:
+                    raise TypeError(f"tensor {i} has dtype {t.dtype}; only float32/float16/"
+                                    "bfloat16 tensors can be quantized (use spec None)")
+        return tensors, specs
+
+    def _block_numel(self) -> int:
+        return max(8, int(self.config.pipeline_chunk_mb * (1 << 20)) // 4)
+
+    def _run(self, algorithm, ctx, segs, world) -> int:
+        plan = make_plan(segs, alg.chunks_per_block(algorithm, world), self._block_numel())
+        pipeline.run(alg.programs(algorithm, ctx, plan), PIPELINE_DEPTH, ctx.timer)
+        return alg.wire_bytes_sent(algorithm, plan, world)
+
+    def _ctx(self, views, transport, scale, buffer_id, timer) -> alg.ReduceContext:
+        return alg.ReduceContext(views, transport, scale=scale, seed=self.config.seed,
+                                 step=self.calls, buffer_id=buffer_id, timer=timer)
+
+    def _compressed(self, views, segs, algorithm, scale, buffer_id, timer) -> int:
+        if not self.hierarchical:
+            ctx = self._ctx(views, self.transport, scale, buffer_id, timer)
+            return self._run(algorithm, ctx, segs, self.transport.size)
+        # Hierarchical: reduce-scatter inside the node, reduce this rank's slice
+        # across nodes, allgather inside the node. Keys differ per phase.
+        local, cross = self.local, self.cross
+        plan = make_plan(segs, local.size, self._block_numel())
+        lctx = self._ctx(views, local, 1.0, buffer_id * 3, timer)
+        pipeline.run((alg.sra_scatter(lctx, b) for b in plan.blocks), PIPELINE_DEPTH, timer)
+        pieces = [p for b in plan.blocks for p in b.chunks[local.rank]]
+        cviews = [lctx.values(p) for p in pieces]
+        cctx = self._ctx(cviews, cross, scale, buffer_id * 3 + 1, timer)
+        sent = self._run(self.config.cross_reduction, cctx,
+                         tuple((p.numel, p.spec) for p in pieces), cross.size)
+        gctx = self._ctx(views, local, 1.0, buffer_id * 3 + 2, timer)
+        pipeline.run((alg.sra_gather(gctx, b, local.rank) for b in plan.blocks),
+                     PIPELINE_DEPTH, timer)
+        return sent + alg.wire_bytes_sent(ReductionType.SRA, plan, local.size)
+
+    def _plain(self, tensors, op, scale) -> int:
+        """Exact reduction, fused per dtype into buffers of at most the fusion size."""
+        sent, limit = 0, self.config.fusion_buffer_bytes
+        engine_op = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
+        groups: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        for t in tensors:  # first-appearance order: identical on every rank
+            bins = groups.setdefault(t.dtype, [[]])
+            if bins[-1] and sum(x.numel() * x.element_size() for x in bins[-1]) + \
+                    t.numel() * t.element_size() > limit:
+                bins.append([])
+            bins[-1].append(t)
+        for bins in groups.values():
+            for group in bins:
+                if len(group) == 1:
+                    buf = group[0].view(-1)
+                else:
+                    buf = torch.cat([t.view(-1) for t in group])
+                if self.transport.size > 1:
+                    self.transport.allreduce(buf, engine_op)
+                    sent += _plain_wire_bytes(buf.numel() * buf.element_size(),
+                                              self.transport.size)
+                if scale != 1.0:
+                    if buf.is_floating_point():
+                        buf.mul_(scale)
+                    else:
+                        buf.copy_((buf.double() * scale).round().to(buf.dtype))
+                if len(group) > 1:
+                    for t, part in zip(group, buf.split([t.numel() for t in group])):
+                        t.view(-1).copy_(part)
+        return sent

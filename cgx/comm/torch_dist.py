@@ -1,0 +1,138 @@
+"""Transport on torch.distributed: Gloo for CPU tensors, NCCL for CUDA tensors.
+
+The process group must already be initialized (``cgx.init()`` does it, or the
+user did with ``torch.distributed.init_process_group``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from cgx.comm.base import ReduceOp, Transport, Work
+
+_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+
+
+class _TorchWork(Work):
+    """Wraps torch.distributed Work handles; runs ``then`` once after they finish."""
+
+    def __init__(self, works, then=None):
+        self._works = [w for w in works if w is not None]
+        self._then = then
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for w in self._works:
+            w.wait()
+        self._done = True
+        if self._then is not None:
+            self._then()
+
+    def is_completed(self) -> bool:
+        return self._done or all(w.is_completed() for w in self._works)
+
+
+class TorchTransport(Transport):
+    """Collectives of one torch.distributed process group.
+
+    Args:
+        group: the process group (None: the default, world group).
+        device: device of the tensors this transport takes; default ``cuda``
+            (current device) for NCCL groups, else ``cpu``.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None,
+                 device: Optional[torch.device | str] = None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("TorchTransport needs an initialized torch.distributed process "
+                               "group: call cgx.init() or torch.distributed.init_process_group()")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.backend = str(dist.get_backend(group)).lower()
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if self.backend == "nccl" else torch.device("cpu"))
+        self.device = torch.device(device)
+        self.name = f"torch-{self.backend}"
+
+    # -- collectives ----------------------------------------------------------
+
+    def alltoall(self, output, input, async_op=False):
+        work = dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+        return _TorchWork([work]) if async_op else None
+
+    def allgather(self, output, input, async_op=False):
+        work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
+        return _TorchWork([work]) if async_op else None
+
+    def allreduce(self, tensor, op=ReduceOp.SUM, async_op=False):
+        if op is ReduceOp.AVERAGE:
+            # Gloo has no AVG; NCCL's AVG would differ from Gloo's sum/size in the last bit,
+            # so every backend sums and divides here.
+            work = dist.all_reduce(tensor, dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+            def _avg():
+                if tensor.is_floating_point():
+                    tensor.div_(self.size)
+                else:
+                    tensor.floor_divide_(self.size)
+
+            if async_op:
+                return _TorchWork([work], then=_avg)
+            _avg()
+            return None
+        try:
+            top = _OPS[op]
+        except KeyError:
+            raise ValueError(f"unsupported reduce op {op!r}; expected a cgx ReduceOp") from None
+        work = dist.all_reduce(tensor, top, group=self.group, async_op=async_op)
+        return _TorchWork([work]) if async_op else None
+
+    def broadcast(self, tensor, root, async_op=False):
+        if not 0 <= root < self.size:
+            raise ValueError(f"broadcast root={root} is not a rank of this group (size {self.size})")
+        work = dist.broadcast(tensor, group=self.group, group_src=root, async_op=async_op)
+        return _TorchWork([work]) if async_op else None
+
+    def sendrecv(self, send, dst, recv, src, async_op=False):
+        ops = [dist.P2POp(dist.isend, send, group=self.group, group_peer=dst),
+               dist.P2POp(dist.irecv, recv, group=self.group, group_peer=src)]
+        work = _TorchWork(dist.batch_isend_irecv(ops))
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def barrier(self):
+        dist.barrier(group=self.group)
+
+    def split(self, groups: Sequence[Sequence[int]]) -> "TorchTransport":
+        """Sub-transport of this rank's group; every rank passes the same ``groups``."""
+        seen = sorted(r for g in groups for r in g)
+        if seen != list(range(self.size)):
+            raise ValueError(f"split groups {list(map(list, groups))} must partition ranks "
+                             f"0..{self.size - 1} exactly once")
+        mine = None
+        for g in groups:
+            if self.group is None:
+                # World group: every rank creates every subgroup, in the same order
+                # (torch.distributed's requirement; names come from a shared counter).
+                pg = dist.new_group(ranks=list(g))
+                if self.rank in g:
+                    mine = pg
+            elif self.rank in g:
+                # Sub-group: only members take part (non-members never call).
+                global_ranks = [dist.get_global_rank(self.group, r) for r in g]
+                mine = dist.new_group(ranks=global_ranks, use_local_synchronization=True)
+        return TorchTransport(mine, self.device)

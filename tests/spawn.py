@@ -1,0 +1,69 @@
+"""Run a function on N real ranks over torch.distributed Gloo (for tests).
+
+``run_gloo(fn, world, *args)`` spawns ``world`` processes, each initializes
+a Gloo process group on 127.0.0.1 with a free port, calls
+``fn(rank, world, *args)`` and returns the list of per-rank return values
+(anything ``torch.save`` can store). A hang fails after ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, outdir, fn, args):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save({"ok": result}, os.path.join(outdir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(outdir, f"{rank}.pt"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn, world: int, *args, timeout: float = 180.0) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` Gloo ranks; return their results."""
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args),
+                                 nprocs=world, join=False, start_method="spawn")
+        try:
+            import time
+            deadline = time.monotonic() + timeout
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish within {timeout} s")
+        except mp.ProcessRaisedException:
+            pass  # reported below with the rank's own traceback
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for r in range(world):
+            path = os.path.join(outdir, f"{r}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} died without a result "
+                                   f"(exit code {ctx.processes[r].exitcode})")
+            res = torch.load(path, weights_only=False)
+            if "error" in res:
+                raise RuntimeError(f"rank {r} failed:\n{res['error']}")
+            results.append(res["ok"])
+        return results
