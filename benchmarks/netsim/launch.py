@@ -1,0 +1,166 @@
+"""Run one process per rank, each inside its namespace, and collect what they did.
+
+:func:`run_group` is the engine behind :meth:`SlowNetwork.launch`: it starts
+every rank in its own session (so a rank's children die with it), waits with
+a deadline, and stops the whole group as soon as one rank fails: a Gloo peer
+left waiting for a dead rank would otherwise hang for its full timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
+
+from .errors import RankFailedError
+
+_POLL_S = 0.02
+_TERM_GRACE_S = 2.0  # after SIGTERM, wait this long before SIGKILL
+
+
+@dataclass
+class RankResult:
+    """What one rank's process did.
+
+    ``returncode`` is negative when the process died from a signal (e.g. -15
+    after the harness stopped it). ``killed`` is True when the harness stopped
+    it, because another rank failed or the deadline passed.
+    """
+
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+    killed: bool = False
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+@dataclass
+class LaunchResult:
+    """Every rank's :class:`RankResult`, in rank order, and the wall time of the group."""
+
+    ranks: list[RankResult]
+    elapsed_s: float
+    timed_out: bool = False
+    failed_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.ranks)
+
+    @property
+    def returncodes(self) -> list[int]:
+        return [r.returncode for r in self.ranks]
+
+    def check(self) -> "LaunchResult":
+        """Return self if every rank exited 0; raise :class:`RankFailedError` otherwise."""
+        if self.ok:
+            return self
+        if self.timed_out:
+            head = f"ranks timed out after {self.elapsed_s:.1f} s (exit codes {self.returncodes})"
+        else:
+            head = f"rank(s) {self.failed_ranks} failed (exit codes {self.returncodes})"
+        # The first rank that failed on its own usually holds the real error;
+        # the others were stopped by the harness.
+        culprits = [r for r in self.ranks if r.rank in self.failed_ranks]
+        culprit = (culprits or [r for r in self.ranks if not r.ok])[0]
+        tail = (culprit.stderr.strip() or culprit.stdout.strip())[-2000:]
+        raise RankFailedError(f"{head}; rank {culprit.rank} said:\n{tail}", self)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the rank's process group, then SIGKILL it if it lingers."""
+    if proc.poll() is not None:
+        return
+    for sig, grace in ((signal.SIGTERM, _TERM_GRACE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)  # pgid == pid: started with start_new_session
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_group(
+    argvs: Sequence[Sequence[str]],
+    envs: Sequence[Mapping[str, str]],
+    *,
+    timeout: float,
+    cwd: Optional[str] = None,
+    on_start: Optional[Callable[[list[subprocess.Popen]], None]] = None,
+) -> LaunchResult:
+    """Start ``argvs[i]`` with ``envs[i]`` for every rank; wait, stop all on failure.
+
+    Output goes to temporary files rather than pipes: a chatty rank can never
+    block on a full pipe while the harness waits for another rank.
+
+    Args:
+        argvs: full command of each rank (already wrapped in ``ip netns exec``).
+        envs: complete environment of each rank.
+        timeout: seconds for the whole group; then every rank is stopped.
+        cwd: working directory of the ranks.
+        on_start: called with the live processes, so an owner can stop them
+            from a signal handler.
+
+    Returns:
+        A :class:`LaunchResult` (never raises for a failing rank; see ``check()``).
+    """
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="cgx-netsim-out-") as outdir, contextlib.ExitStack() as stack:
+        files = []
+        start = time.monotonic()
+        try:
+            for rank, (argv, env) in enumerate(zip(argvs, envs)):
+                out = stack.enter_context(open(os.path.join(outdir, f"rank{rank}.out"), "w+b"))
+                err = stack.enter_context(open(os.path.join(outdir, f"rank{rank}.err"), "w+b"))
+                files.append((out, err))
+                procs.append(subprocess.Popen(
+                    list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+                    stdout=out, stderr=err, start_new_session=True,
+                ))
+            if on_start is not None:
+                on_start(procs)
+
+            deadline = start + timeout
+            failed: list[int] = []
+            timed_out = False
+            while True:
+                codes = [p.poll() for p in procs]
+                failed = [r for r, c in enumerate(codes) if c is not None and c != 0]
+                if failed or all(c is not None for c in codes):
+                    break
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    break
+                time.sleep(_POLL_S)
+            elapsed = time.monotonic() - start
+            stopped = [p.poll() is None for p in procs]
+        finally:
+            for p in procs:
+                _stop(p)
+
+        results = []
+        for rank, (p, (out, err)) in enumerate(zip(procs, files)):
+            out.seek(0)
+            err.seek(0)
+            results.append(RankResult(
+                rank=rank,
+                returncode=p.returncode,
+                stdout=out.read().decode(errors="replace"),
+                stderr=err.read().decode(errors="replace"),
+                killed=stopped[rank],
+                timed_out=timed_out and stopped[rank],
+            ))
+    return LaunchResult(ranks=results, elapsed_s=elapsed, timed_out=timed_out, failed_ranks=failed)

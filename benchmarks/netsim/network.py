@@ -1,0 +1,557 @@
+"""Slow links between ranks, simulated with network namespaces, veth and tbf.
+
+Each rank lives in its own network namespace with one veth interface. Two
+ranks are joined by a single veth pair; more ranks each get a veth into a
+"switch" namespace holding a Linux bridge. Every veth end that sends toward
+the wire is shaped with ``tc ... root tbf``, so each rank has the configured
+rate up and down, like a NIC. ``lo`` is never shaped: one loopback queue
+carries both directions and would halve the rate.
+
+Nothing is ever created in, or addressed from, the root namespace: the veths
+are created from inside the rank namespaces (``ip -n NS link add``) and the
+addresses live only there. Deleting a namespace deletes its veths.
+
+Teardown runs on ``__exit__``, on SIGINT/SIGTERM (previous handlers are
+restored and then called) and at interpreter exit. A run killed with SIGKILL
+leaves namespaces named ``cgxns-<pid>-...``; ``python -m benchmarks.netsim
+cleanup`` removes those whose process is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from .errors import NetnsError, NetnsUnavailable, RankFailedError
+from .launch import LaunchResult, run_group
+from .shaping import Shaping
+
+NAMESPACE_PREFIX = "cgxns-"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_SUBNET = "10.213.0.0/24"
+DEFAULT_MASTER_PORT = 29500
+_BRIDGE = "cgxbr"
+_instance_ids = itertools.count()
+_TEARDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+Argv = Sequence[str]
+
+
+@dataclass(frozen=True)
+class RankEndpoint:
+    """Where one rank lives on the simulated network."""
+
+    rank: int
+    namespace: str  # run the rank with `ip netns exec <namespace> ...`
+    address: str  # its IPv4 address, valid inside the namespaces only
+    ifname: str  # its veth (what GLOO_SOCKET_IFNAME names)
+    peer_namespace: str  # the other end: rank 1's namespace, or the switch
+    peer_ifname: str
+
+
+def _ip() -> str:
+    path = shutil.which("ip")
+    if path is None:
+        raise NetnsUnavailable("the `ip` command (iproute2) is not on PATH; install iproute2")
+    return path
+
+
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if check and proc.returncode != 0:
+        raise NetnsError(f"`{' '.join(argv)}` failed (exit {proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def check_available(need_tc: bool = True) -> None:
+    """Raise :class:`NetnsUnavailable` with the reason if namespaces cannot work here.
+
+    This checks only what can be checked without creating anything; creating
+    the first namespace (in :meth:`SlowNetwork.start`) is the final test.
+    """
+    if not sys.platform.startswith("linux"):
+        raise NetnsUnavailable(f"network namespaces need Linux, this is {sys.platform}")
+    if os.geteuid() != 0:
+        raise NetnsUnavailable(f"creating network namespaces needs root (effective uid is {os.geteuid()})")
+    _ip()
+    if need_tc and shutil.which("tc") is None:
+        raise NetnsUnavailable("the `tc` command (iproute2) is not on PATH; "
+                               "install iproute2, or use rate=None")
+
+
+def list_namespaces(prefix: str = NAMESPACE_PREFIX) -> list[str]:
+    """Names of the existing network namespaces that start with ``prefix``."""
+    if shutil.which("ip") is None:
+        return []
+    out = _run([_ip(), "netns", "list"], check=False).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return sorted(n for n in names if n.startswith(prefix))
+
+
+def delete_namespace(name: str) -> bool:
+    """Kill what still runs inside namespace ``name``, then delete it. True if it is gone.
+
+    The processes killed here are inside a namespace this harness created, so
+    they are rank processes it started (``ip netns pids`` lists only those).
+    A namespace whose processes survived would outlive ``ip netns del``.
+    """
+    ip = _ip()
+    pids = _run([ip, "netns", "pids", name], check=False).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    _run([ip, "netns", "del", name], check=False)
+    return name not in list_namespaces(name)
+
+
+def _owner_pid(name: str) -> Optional[int]:
+    # cgxns-<pid>-<instance>-<role>
+    parts = name[len(NAMESPACE_PREFIX):].split("-")
+    return int(parts[0]) if parts and parts[0].isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_leftovers(all_owners: bool = False, dry_run: bool = False) -> list[str]:
+    """Delete namespaces left by killed runs; returns their names.
+
+    Args:
+        all_owners: also delete namespaces whose creating process still runs
+            (only when you know no other run is using them).
+        dry_run: only list what would be deleted.
+    """
+    victims = []
+    for name in list_namespaces():
+        pid = _owner_pid(name)
+        if all_owners or pid is None or not _alive(pid):
+            victims.append(name)
+    if not dry_run:
+        for name in victims:
+            delete_namespace(name)
+    return victims
+
+
+class SlowNetwork:
+    """N ranks in their own network namespaces, joined by tbf-shaped veth links.
+
+    Args:
+        n_ranks: number of ranks (>= 2).
+        rate: tbf rate of every link direction ("100mbit", "1gbit", "10gbit"),
+            or None for an unshaped link.
+        burst: tbf bucket size ("256kb"); None: 256kb, or 2 ms of the rate if
+            more (a small bucket caps 10gbit below its rate on a busy machine).
+        latency: tbf queue bound ("50ms"); not an added delay.
+        subnet: private IPv4 network for the rank addresses (rank r gets the
+            (r+1)-th host address). Addresses exist inside the namespaces only.
+        switch: join the ranks through a bridge in a switch namespace. Default:
+            only for more than 2 ranks (2 ranks get a direct veth pair).
+        master_port: MASTER_PORT of the first launch; later launches add 1 so a
+            new rendezvous never meets a port still in TIME_WAIT.
+        threads_per_rank: OMP_NUM_THREADS given to each rank (unless already
+            set): ranks share this machine's few cores.
+
+    Raises:
+        ValueError/TypeError: for bad arguments (checked before anything is created).
+        NetnsUnavailable: on :meth:`start` when this machine cannot do it
+            (callers skip with ``err.reason``).
+
+    Example:
+        >>> with SlowNetwork(n_ranks=2, rate="1gbit") as net:            # doctest: +SKIP
+        ...     times = net.run_function("benchmarks.netsim.probes:allreduce_probe",
+        ...                              {"size_mb": 100})
+    """
+
+    def __init__(
+        self,
+        n_ranks: int = 2,
+        rate: Optional[str] = "1gbit",
+        burst: Optional[str] = None,
+        latency: str = "50ms",
+        *,
+        subnet: str = DEFAULT_SUBNET,
+        switch: Optional[bool] = None,
+        master_port: int = DEFAULT_MASTER_PORT,
+        threads_per_rank: int = 1,
+    ):
+        if isinstance(n_ranks, bool) or not isinstance(n_ranks, int):
+            raise TypeError(f"n_ranks must be an int, got {type(n_ranks).__name__}")
+        if n_ranks < 2:
+            raise ValueError(f"n_ranks must be >= 2 (a link needs two ends), got {n_ranks}")
+        self.shaping = Shaping(rate=rate, burst=burst, latency=latency)
+        try:
+            network = ipaddress.ip_network(subnet)
+        except ValueError as err:
+            raise ValueError(
+                f"subnet {subnet!r} is not an IP network such as '10.213.0.0/24': {err}") from None
+        if network.version != 4 or not network.is_private:
+            raise ValueError(f"subnet {subnet!r} must be a private IPv4 range (e.g. '10.213.0.0/24')")
+        if network.num_addresses - 2 < n_ranks:
+            raise ValueError(
+                f"subnet {subnet!r} has room for {network.num_addresses - 2} ranks, {n_ranks} asked")
+        if not (1 <= master_port <= 65000):
+            raise ValueError(f"master_port must be in 1..65000, got {master_port}")
+        if threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
+
+        self.n_ranks = n_ranks
+        self.subnet = network
+        self.switch = n_ranks > 2 if switch is None else bool(switch)
+        self.master_port = master_port
+        self.threads_per_rank = threads_per_rank
+        self.prefix = f"{NAMESPACE_PREFIX}{os.getpid()}-{next(_instance_ids)}-"
+        self.switch_namespace: Optional[str] = f"{self.prefix}sw" if self.switch else None
+
+        hosts = itertools.islice(network.hosts(), n_ranks)
+        self.ranks: list[RankEndpoint] = [
+            RankEndpoint(
+                rank=r,
+                namespace=f"{self.prefix}r{r}",
+                address=str(addr),
+                ifname=f"cgx{r}",
+                peer_namespace=self.switch_namespace if self.switch else f"{self.prefix}r{1 - r}",
+                peer_ifname=f"sw{r}" if self.switch else f"cgx{1 - r}",
+            )
+            for r, addr in enumerate(hosts)
+        ]
+        self._created: list[str] = []
+        self._procs: list[subprocess.Popen] = []
+        self._launches = 0
+        self._prev_handlers: dict[int, Any] = {}
+        self._state = "new"  # new -> started -> closed
+        self._owner_pid = os.getpid()  # a forked child inherits our hooks but must not tear down
+
+    # ------------------------------------------------------------------ info
+    @property
+    def namespaces(self) -> list[str]:
+        """Every namespace of this network (ranks first, then the switch)."""
+        names = [ep.namespace for ep in self.ranks]
+        return names + ([self.switch_namespace] if self.switch_namespace else [])
+
+    @property
+    def master_addr(self) -> str:
+        """Rank 0's address: MASTER_ADDR of every rank."""
+        return self.ranks[0].address
+
+    @property
+    def rate_bps(self) -> Optional[int]:
+        """The shaped rate in bits/s, None when unshaped."""
+        return self.shaping.bits_per_second
+
+    def __repr__(self) -> str:
+        return (f"SlowNetwork(n_ranks={self.n_ranks}, {self.shaping.describe()}, "
+                f"{'switch' if self.switch else 'veth pair'}, prefix={self.prefix!r}, state={self._state})")
+
+    # -------------------------------------------------------------- lifecycle
+    def __enter__(self) -> "SlowNetwork":
+        # `net = SlowNetwork(...).start(); with net: ...` is fine too.
+        return self if self._state == "started" else self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # Never hide the with-block's own exception behind a teardown error.
+        self.close(raise_errors=exc_type is None)
+
+    def start(self) -> "SlowNetwork":
+        """Create namespaces, veths, addresses and qdiscs. Undone on any failure."""
+        if self._state != "new":
+            raise RuntimeError(f"this SlowNetwork is {self._state}; create a new one")
+        check_available(need_tc=self.shaping.rate is not None)
+        self._state = "started"
+        self._install_teardown_hooks()
+        try:
+            self._build()
+        except BaseException:
+            self.close(raise_errors=False)
+            raise
+        return self
+
+    def _build(self) -> None:
+        ip = _ip()
+        # Our pid is in the names: any namespace with our prefix that we did not
+        # create was left by a killed process that had the same pid.
+        for stale in list_namespaces(self.prefix):
+            delete_namespace(stale)
+        add = _run([ip, "netns", "add", self.namespaces[0]], check=False)
+        if add.returncode != 0:
+            raise NetnsUnavailable(f"`ip netns add` failed: {add.stderr.strip()}")
+        self._created.append(self.namespaces[0])
+        for name in self.namespaces[1:]:
+            _run([ip, "netns", "add", name])
+            self._created.append(name)
+        probe = _run([ip, "netns", "exec", self.namespaces[0], "true"], check=False)
+        if probe.returncode != 0:
+            raise NetnsUnavailable(f"`ip netns exec` failed: {probe.stderr.strip()}")
+
+        if self.switch:
+            sw = self.switch_namespace
+            _run([ip, "-n", sw, "link", "add", _BRIDGE, "type", "bridge"])
+            _run([ip, "-n", sw, "link", "set", _BRIDGE, "up"])
+            for ep in self.ranks:
+                # Created from inside the rank's namespace: the root namespace never sees it.
+                _run([ip, "-n", ep.namespace, "link", "add", ep.ifname, "type", "veth",
+                      "peer", "name", ep.peer_ifname, "netns", sw])
+                _run([ip, "-n", sw, "link", "set", ep.peer_ifname, "master", _BRIDGE])
+                _run([ip, "-n", sw, "link", "set", ep.peer_ifname, "up"])
+        else:
+            a, b = self.ranks
+            _run([ip, "-n", a.namespace, "link", "add", a.ifname, "type", "veth",
+                  "peer", "name", b.ifname, "netns", b.namespace])
+
+        for ep in self.ranks:
+            cidr = f"{ep.address}/{self.subnet.prefixlen}"
+            _run([ip, "-n", ep.namespace, "addr", "add", cidr, "dev", ep.ifname])
+            _run([ip, "-n", ep.namespace, "link", "set", "lo", "up"])
+            _run([ip, "-n", ep.namespace, "link", "set", ep.ifname, "up"])
+
+        if self.shaping.rate is not None:
+            tc = shutil.which("tc")
+            tbf = self.shaping.tc_args()
+            for ep in self.ranks:
+                _run([tc, "-n", ep.namespace, "qdisc", "add", "dev", ep.ifname, "root", *tbf])
+                if self.switch:  # the switch's egress toward the rank: the rank's download
+                    _run([tc, "-n", self.switch_namespace, "qdisc", "add", "dev", ep.peer_ifname,
+                          "root", *tbf])
+
+    def close(self, raise_errors: bool = True) -> None:
+        """Stop running ranks and delete every namespace of this network (idempotent).
+
+        Args:
+            raise_errors: raise :class:`NetnsError` if a namespace survives;
+                otherwise only warn (used from signal handlers and atexit).
+        """
+        if self._state in ("new", "closed") or os.getpid() != self._owner_pid:
+            self._state = "closed"
+            return
+        self._state = "closed"
+        # A second Ctrl-C must not interrupt a half-done teardown: hold the
+        # signals until it is complete; they are delivered right after.
+        on_main = threading.current_thread() is threading.main_thread()
+        if on_main:
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _TEARDOWN_SIGNALS)
+        try:
+            for proc in self._procs:
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            # By prefix too: a signal may land between `ip netns add` and our bookkeeping.
+            names = sorted(set(self._created) | set(list_namespaces(self.prefix)))
+            left = [name for name in names if not delete_namespace(name)]
+        finally:
+            self._uninstall_teardown_hooks()
+            if on_main:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if left:
+            msg = (f"could not delete network namespaces {left}; "
+                   f"remove them with: python -m benchmarks.netsim cleanup --all")
+            if raise_errors:
+                raise NetnsError(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+    def _install_teardown_hooks(self) -> None:
+        atexit.register(self._close_quietly)
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in _TEARDOWN_SIGNALS:
+            self._prev_handlers[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+
+    def _uninstall_teardown_hooks(self) -> None:
+        atexit.unregister(self._close_quietly)
+        for sig, prev in self._prev_handlers.items():
+            if signal.getsignal(sig) == self._on_signal:  # do not clobber a later owner's handler
+                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self._prev_handlers.clear()
+
+    def _close_quietly(self) -> None:
+        self.close(raise_errors=False)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        prev = self._prev_handlers.get(signum, signal.SIG_DFL)
+        self.close(raise_errors=False)  # also restores the previous handlers
+        if callable(prev):
+            prev(signum, frame)  # e.g. Python's SIGINT handler raises KeyboardInterrupt
+        elif prev != signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    # ---------------------------------------------------------------- launch
+    def netns_exec(self, rank: int) -> list[str]:
+        """The argv prefix that runs a command inside ``rank``'s namespace (for own launchers)."""
+        return [_ip(), "netns", "exec", self.ranks[rank].namespace]
+
+    def rank_env(self, rank: int, master_port: Optional[int] = None,
+                 extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+        """The environment of ``rank``: this process's, plus what torch.distributed/Gloo need.
+
+        Each namespace stands for one machine: LOCAL_RANK=0, LOCAL_WORLD_SIZE=1,
+        GROUP_RANK=rank, GROUP_WORLD_SIZE=n_ranks, so launcher-aware code treats
+        every link as an inter-node link.
+        ``extra`` (the caller's variables) wins over everything.
+        """
+        ep = self.ranks[rank]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        env.setdefault("OMP_NUM_THREADS", str(self.threads_per_rank))
+        env.setdefault("PYTHONUNBUFFERED", "1")  # output survives a kill
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(self.n_ranks),
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            GROUP_RANK=str(rank),  # torchrun's node index / node count
+            GROUP_WORLD_SIZE=str(self.n_ranks),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port if master_port is None else master_port),
+            GLOO_SOCKET_IFNAME=ep.ifname,
+            TP_SOCKET_IFNAME=ep.ifname,
+        )
+        if extra:
+            env.update({str(k): str(v) for k, v in extra.items()})
+        return env
+
+    def launch(
+        self,
+        cmd: Union[Argv, Sequence[Argv]],
+        *,
+        env: Optional[Mapping[str, str]] = None,
+        rank_env: Optional[Sequence[Mapping[str, str]]] = None,
+        timeout: float = 120.0,
+        cwd: Optional[str] = None,
+        master_port: Optional[int] = None,
+        check: bool = False,
+    ) -> LaunchResult:
+        """Run one process per rank inside its namespace and wait for all of them.
+
+        If a rank exits non-zero, the others are stopped at once (a Gloo peer
+        would wait for it until its own timeout); at ``timeout`` all are stopped.
+
+        Args:
+            cmd: one argv for every rank (``[sys.executable, "train.py"]``), or
+                a list of ``n_ranks`` argvs, one per rank.
+            env: extra variables for every rank.
+            rank_env: extra variables per rank (a list of ``n_ranks`` mappings).
+            timeout: seconds for the whole group.
+            cwd: working directory of the ranks.
+            master_port: MASTER_PORT; default: a fresh port per launch.
+            check: raise :class:`RankFailedError` unless every rank exited 0.
+
+        Returns:
+            :class:`LaunchResult` with each rank's exit code, stdout and stderr.
+        """
+        argvs = self._per_rank_argv(cmd)
+        if rank_env is not None and len(rank_env) != self.n_ranks:
+            raise ValueError(
+                f"rank_env must hold {self.n_ranks} mappings (one per rank), got {len(rank_env)}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if self._state != "started":
+            raise RuntimeError("launch() needs a started network (use `with SlowNetwork(...) as net:`); "
+                               f"it is {self._state}")
+        port = self.master_port + self._launches if master_port is None else master_port
+        self._launches += 1
+        envs, wrapped = [], []
+        for ep in self.ranks:
+            extra = dict(env or {})
+            extra.update(rank_env[ep.rank] if rank_env is not None else {})
+            envs.append(self.rank_env(ep.rank, master_port=port, extra=extra))
+            wrapped.append([*self.netns_exec(ep.rank), *argvs[ep.rank]])
+        try:
+            result = run_group(wrapped, envs, timeout=timeout, cwd=cwd, on_start=self._procs.extend)
+        finally:
+            self._procs.clear()
+        return result.check() if check else result
+
+    def _per_rank_argv(self, cmd: Union[Argv, Sequence[Argv]]) -> list[list[str]]:
+        if isinstance(cmd, (str, bytes)):
+            raise TypeError(
+                f"cmd must be an argv list such as [sys.executable, 'script.py'], not a string: {cmd!r}")
+        cmd = list(cmd)
+        if not cmd:
+            raise ValueError("cmd is empty; give an argv such as [sys.executable, 'script.py']")
+        if all(isinstance(part, str) for part in cmd):
+            return [list(cmd) for _ in range(self.n_ranks)]
+        if all(not isinstance(part, (str, bytes)) for part in cmd):
+            if len(cmd) != self.n_ranks:
+                raise ValueError(
+                    f"per-rank cmd must hold {self.n_ranks} argvs (one per rank), got {len(cmd)}")
+            argvs = [list(argv) for argv in cmd]
+            if not all(argv and all(isinstance(p, str) for p in argv) for argv in argvs):
+                raise TypeError("each per-rank argv must be a non-empty list of strings")
+            return argvs
+        raise TypeError("cmd must be one argv (a list of strings) or a list of argvs, not a mix")
+
+    def run_function(
+        self,
+        target: str,
+        kwargs: Optional[Mapping[str, Any]] = None,
+        *,
+        backend: Optional[str] = "gloo",
+        timeout: float = 300.0,
+        env: Optional[Mapping[str, str]] = None,
+        python: Optional[str] = None,
+    ) -> list[Any]:
+        """Call ``module:function(**kwargs)`` in every rank; return each rank's JSON result.
+
+        Every rank runs ``python -m benchmarks.netsim.worker``, which joins a
+        torch.distributed process group (``backend``; None: no group), calls
+        the function, and writes its return value as JSON to the file named
+        by ``CGX_NETSIM_RESULT``. The function must be importable from the
+        repository root (the ranks get it on PYTHONPATH).
+
+        Args:
+            target: ``"package.module:function"``.
+            kwargs: JSON-serializable keyword arguments, the same for every rank.
+            backend: torch.distributed backend to initialize, or None.
+            timeout: seconds for the whole group.
+            env: extra variables for every rank.
+            python: interpreter of the ranks (default: this one).
+
+        Returns:
+            The function's return values, in rank order.
+
+        Raises:
+            RankFailedError: a rank failed, timed out, or wrote no result.
+
+        Example:
+            >>> net.run_function("benchmarks.netsim.probes:allreduce_probe",  # doctest: +SKIP
+            ...                  {"size_mb": 10})
+        """
+        from . import worker  # light: no torch import here
+
+        if not isinstance(target, str) or ":" not in target:
+            raise ValueError(f"target must be 'package.module:function', got {target!r}")
+        argv = [python or sys.executable, "-m", "benchmarks.netsim.worker", target,
+                "--kwargs", worker.dumps(dict(kwargs or {})), "--backend", backend or "none"]
+        with tempfile.TemporaryDirectory(prefix="cgx-netsim-res-") as tmp:
+            paths = [os.path.join(tmp, f"rank{r}.json") for r in range(self.n_ranks)]
+            result = self.launch(argv, env=env, rank_env=[{worker.RESULT_ENV: p} for p in paths],
+                                 timeout=timeout, check=True)
+            values = []
+            for rank, path in enumerate(paths):
+                if not os.path.exists(path):
+                    raise RankFailedError(f"rank {rank} exited 0 but wrote no result to {path}", result)
+                values.append(worker.load(path))
+        return values
