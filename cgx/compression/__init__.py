@@ -1,1 +1,93 @@
+"""Gradient compressors behind one interface, and Horovod's ``Compression`` namespace.
 
+Families (see ``docs/compression.md`` for payload sizes, options and the
+non-finite policy):
+
+* casts: ``Compression.none``, ``Compression.fp16``, ``Compression.bf16``
+* quantization: ``Compression.quantize(bits=4, bucket_size=1024)``
+* sparsification: ``Compression.topk(density=0.01)``
+* low rank: ``Compression.powersgd(rank=1)``
+* error feedback for any of the first three: ``ErrorFeedback(compressor)``
+
+Example::
+
+    from cgx.compression import Compression
+    payload, ctx = Compression.fp16.compress(grad)      # exactly as with Horovod
+    comp = Compression.topk(density=0.01)               # stateful, error feedback on
+    grad = comp.allreduce(grad, transport, name="fc.weight")
+
+Only torch is imported here (no TensorFlow, no Triton).
+"""
+
+from __future__ import annotations
+
+from cgx.compression.base import (Compressor, CompressorKind, HorovodCompressor, as_compressor,
+                                  stable_tensor_id)
+from cgx.compression.casts import BF16Compressor, FP16Compressor, NoneCompressor
+from cgx.compression.error_feedback import ErrorFeedback
+from cgx.compression.powersgd import PowerSGDCompressor
+from cgx.compression.quantizer import QuantizeCompressor
+from cgx.compression.topk import TopKCompressor
+from cgx.config import Rounding
+
+
+def _check_flag(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be True or False, got {value!r}")
+    return value
+
+
+class Compression:
+    """Compression algorithms for ``allreduce`` and ``DistributedOptimizer``.
+
+    ``none``, ``fp16`` and ``bf16`` are compressor classes used as Horovod's
+    are: ``Compression.fp16.compress(tensor)`` works on the class, and
+    ``Compression.fp16(predivide=8)`` makes a configured instance. The other
+    entries are factories returning a fresh stateful compressor: use one
+    instance per model (its state is per tensor name).
+    """
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    bf16 = BF16Compressor
+
+    @staticmethod
+    def quantize(bits: int = 4, bucket_size: int = 1024, rounding: Rounding | str = "stochastic",
+                 error_feedback: bool = False, seed: int = 0) -> Compressor:
+        """Max-min bucket quantization (CGX); see :class:`QuantizeCompressor`.
+
+        Args:
+            bits: 1..8 bits per value.
+            bucket_size: values per (unit, min) pair, a multiple of 8.
+            rounding: ``"stochastic"`` (unbiased) or ``"nearest"``.
+            error_feedback: wrap in :class:`ErrorFeedback`.
+            seed: stochastic-rounding seed, the same on every rank.
+        """
+        comp = QuantizeCompressor(bits=bits, bucket_size=bucket_size, rounding=rounding, seed=seed)
+        return ErrorFeedback(comp) if _check_flag(error_feedback, "error_feedback") else comp
+
+    @staticmethod
+    def topk(density: float = 0.01, error_feedback: bool = True) -> Compressor:
+        """Top-k sparsification keeping ``density`` of each tensor; see :class:`TopKCompressor`.
+
+        Error feedback is on by default: top-k without it is biased and loses accuracy.
+        """
+        comp = TopKCompressor(density=density)
+        return ErrorFeedback(comp) if _check_flag(error_feedback, "error_feedback") else comp
+
+    @staticmethod
+    def powersgd(rank: int = 1, min_compression_rate: float = 2.0, start_step: int = 0,
+                 warm_start: bool = True, error_feedback: bool = True,
+                 orthogonalization_epsilon: float = 0.0, seed: int = 0) -> Compressor:
+        """PowerSGD low-rank compression; see :class:`PowerSGDCompressor` (own error feedback)."""
+        return PowerSGDCompressor(rank=rank, min_compression_rate=min_compression_rate,
+                                  start_step=start_step, warm_start=warm_start,
+                                  error_feedback=error_feedback,
+                                  orthogonalization_epsilon=orthogonalization_epsilon, seed=seed)
+
+
+__all__ = [
+    "Compression", "Compressor", "CompressorKind", "HorovodCompressor", "as_compressor",
+    "stable_tensor_id", "NoneCompressor", "FP16Compressor", "BF16Compressor",
+    "QuantizeCompressor", "TopKCompressor", "PowerSGDCompressor", "ErrorFeedback",
+]
