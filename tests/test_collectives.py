@@ -232,3 +232,41 @@ def test_validation_errors():
     y = x.clone()
     red.allreduce([y], [QuantSpec(2, 8, NEAREST)], op=ReduceOp.AVERAGE, postscale_factor=2.0)
     assert torch.equal(y, x * 2.0)
+
+
+def _ef_worker(rank, world, steps, use_ef):
+    from cgx.comm.torch_dist import TorchTransport
+    from cgx.collectives import Reducer
+
+    red = Reducer(TorchTransport(), Config())
+    spec = QuantSpec(2, 64, NEAREST)  # coarse and biased: what error feedback is for
+    g = torch.Generator().manual_seed(11 + rank)
+    grad = torch.randn(3001, generator=g)  # the same gradient every step
+    residual = torch.zeros(3001)
+    total = torch.zeros(3001, dtype=torch.float64)
+    for step in range(steps):
+        x = grad.clone()
+        red.allreduce([x], [spec], residuals=[residual] if use_ef else None, step=step)
+        total += x.double()
+    return total, grad
+
+
+@pytest.mark.multiproc
+def test_error_feedback_telescopes():
+    """With residuals the dropped parts are re-sent: the summed output over T steps
+    stays within one step's error of T * exact; without them a fixed bias grows with T."""
+    steps = 20
+    with_ef = run_gloo(_ef_worker, 2, steps, True)
+    without = run_gloo(_ef_worker, 2, steps, False)
+    grads = [r[1].double() for r in with_ef]
+    exact = (grads[0] + grads[1]) / 2 * steps
+    # One step's SRA bound for these inputs (see _bound): peer share + final quantization.
+    levels = 3
+    stage1 = 0.5 * 0.5 * max((x.max() - x.min()).item() for x in grads) / levels
+    one_step = stage1 + 0.5 * ((exact / steps).max() - (exact / steps).min()).item() / levels
+    # Residual sizes: each is at most one quantization step, so the gap stays bounded.
+    err_ef = (with_ef[0][0] - exact).abs().max().item()
+    err_plain = (without[0][0] - exact).abs().max().item()
+    assert torch.equal(with_ef[0][0], with_ef[1][0])
+    assert err_ef <= 2 * one_step, (err_ef, one_step)
+    assert err_plain > 5 * err_ef, (err_plain, err_ef)

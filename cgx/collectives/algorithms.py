@@ -31,7 +31,7 @@ reduced bucket; stochastic rounding doubles these bounds but is unbiased.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -54,6 +54,13 @@ class ReduceContext:
         seed, step, buffer_id: stochastic-rounding key parts (same on every rank).
         timer: where phase times are summed.
         backend: quantization backend (see ``cgx.compression.quantization.Backend``).
+        residuals: optional error-feedback memory, one float32 tensor per entry of
+            ``tensors`` (same numel). A rank's residual holds, for the chunks it
+            quantizes for peers, what that quantization dropped (input units),
+            and for the chunk it owns, what the final requantization dropped
+            (output units); both are added back before the next quantization
+            of the same values, so the dropped parts telescope instead of
+            accumulating.
     """
 
     tensors: Sequence[torch.Tensor]
@@ -64,6 +71,7 @@ class ReduceContext:
     buffer_id: int = 0
     timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
     backend: str = "auto"
+    residuals: Optional[Sequence[torch.Tensor]] = None
 
     def key(self, stage: int) -> int:
         return wire.noise_key(self.seed, self.step, self.buffer_id, stage)
@@ -75,10 +83,26 @@ class ReduceContext:
 
     def compress(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int, stage: int,
                  write_back: bool = False) -> None:
+        """Quantize ``pieces`` into ``buf``; ``write_back`` leaves their decoded values behind.
+
+        With residuals, the values are first corrected by the residual and always
+        written back (callers only quantize values they overwrite later anyway),
+        and the residual becomes what this quantization dropped.
+        """
         key = self.key(stage)
         for p in pieces:
-            quantize(self.values(p), p.spec, out=buf[base + p.byte_offset: base + p.byte_offset + p.nbytes],
-                     key=key, index_offset=p.index, write_back=write_back, backend=self.backend)
+            x = self.values(p)
+            out = buf[base + p.byte_offset: base + p.byte_offset + p.nbytes]
+            if self.residuals is None:
+                quantize(x, p.spec, out=out, key=key, index_offset=p.index,
+                         write_back=write_back, backend=self.backend)
+                continue
+            e = self.residuals[p.segment][p.offset: p.offset + p.numel]
+            e.add_(x)  # e = v = x + old residual (3 extra passes: only with error feedback)
+            x.copy_(e)
+            quantize(x, p.spec, out=out, key=key, index_offset=p.index, write_back=True,
+                     backend=self.backend)
+            e.sub_(x)  # e = v - decoded(v)
 
     def decode(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int,
                accumulate: bool) -> None:

@@ -126,7 +126,9 @@ class Reducer:
                   specs: Optional[Sequence[Optional[QuantSpec]]] = None, *,
                   op: ReduceOp = ReduceOp.AVERAGE, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, algorithm: Optional[ReductionType] = None,
-                  name: Optional[str] = None) -> ReduceStats:
+                  name: Optional[str] = None,
+                  residuals: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                  step: Optional[int] = None) -> ReduceStats:
         """Reduce ``tensors`` in place over the group; returns this call's stats.
 
         Args:
@@ -138,6 +140,12 @@ class Reducer:
             prescale_factor, postscale_factor: multiply before / after the reduction.
             algorithm: SRA, RING or ALLGATHER (default: ``config.inner_reduction``).
             name: label for the timeline and the stochastic-rounding key.
+            residuals: error feedback: one float32 tensor (same numel) per
+                compressed tensor, None for the others; kept by the caller
+                across steps, with the same tensors in the same order (SRA and
+                ALLGATHER only; see ``algorithms.ReduceContext``).
+            step: step number for the stochastic-rounding key (default: this
+                reducer's call counter); callers that checkpoint pass their own.
         """
         tensors, specs = self._validate(tensors, specs, op)
         t_start = time.perf_counter()
@@ -159,7 +167,9 @@ class Reducer:
         if comp and world > 1:
             views = [tensors[i].view(-1) for i in comp]
             segs = tuple((v.numel(), specs[i]) for v, i in zip(views, comp))
-            stats.wire_bytes += self._compressed(views, segs, algorithm, scale, buffer_id, timer)
+            res = self._check_residuals(residuals, tensors, comp, algorithm)
+            stats.wire_bytes += self._compressed(views, segs, algorithm, scale, buffer_id, timer,
+                                                 res, self.calls if step is None else step)
             fp32_wire += _plain_wire_bytes(sum(v.numel() * 4 for v in views), world)
         elif comp and scale != 1.0:
             for i in comp:
@@ -237,26 +247,50 @@ class Reducer:
         pipeline.run(alg.programs(algorithm, ctx, plan), PIPELINE_DEPTH, ctx.timer)
         return alg.wire_bytes_sent(algorithm, plan, world)
 
-    def _ctx(self, views, transport, scale, buffer_id, timer) -> alg.ReduceContext:
+    def _ctx(self, views, transport, scale, buffer_id, timer, step) -> alg.ReduceContext:
         return alg.ReduceContext(views, transport, scale=scale, seed=self.config.seed,
-                                 step=self.calls, buffer_id=buffer_id, timer=timer)
+                                 step=step, buffer_id=buffer_id, timer=timer)
 
-    def _compressed(self, views, segs, algorithm, scale, buffer_id, timer) -> int:
+    def _check_residuals(self, residuals, tensors, comp, algorithm):
+        if residuals is None:
+            return None
+        residuals = list(residuals)
+        if len(residuals) != len(tensors):
+            raise ValueError(f"got {len(residuals)} residuals for {len(tensors)} tensors; pass "
+                             "one float32 tensor (or None for uncompressed ones) per tensor")
+        if algorithm is ReductionType.RING or self.hierarchical:
+            raise ValueError("error feedback inside the collective works with the SRA and "
+                             "ALLGATHER algorithms, not with RING or hierarchical reduction: set "
+                             "CGX_INNER_REDUCTION_TYPE=sra or turn error feedback off")
+        out = []
+        for i in comp:
+            e = residuals[i]
+            if not isinstance(e, torch.Tensor) or e.dtype != torch.float32 or \
+                    e.numel() != tensors[i].numel() or not e.is_contiguous() or \
+                    e.device != tensors[i].device:
+                raise ValueError(f"residual {i} must be a contiguous float32 tensor of "
+                                 f"{tensors[i].numel()} values on {tensors[i].device}")
+            out.append(e.view(-1))
+        return out
+
+    def _compressed(self, views, segs, algorithm, scale, buffer_id, timer, residuals,
+                    step) -> int:
         if not self.hierarchical:
-            ctx = self._ctx(views, self.transport, scale, buffer_id, timer)
+            ctx = self._ctx(views, self.transport, scale, buffer_id, timer, step)
+            ctx.residuals = residuals
             return self._run(algorithm, ctx, segs, self.transport.size)
         # Hierarchical: reduce-scatter inside the node, reduce this rank's slice
         # across nodes, allgather inside the node. Keys differ per phase.
         local, cross = self.local, self.cross
         plan = make_plan(segs, local.size, self._block_numel())
-        lctx = self._ctx(views, local, 1.0, buffer_id * 3, timer)
+        lctx = self._ctx(views, local, 1.0, buffer_id * 3, timer, step)
         pipeline.run((alg.sra_scatter(lctx, b) for b in plan.blocks), PIPELINE_DEPTH, timer)
         pieces = [p for b in plan.blocks for p in b.chunks[local.rank]]
         cviews = [lctx.values(p) for p in pieces]
-        cctx = self._ctx(cviews, cross, scale, buffer_id * 3 + 1, timer)
+        cctx = self._ctx(cviews, cross, scale, buffer_id * 3 + 1, timer, step)
         sent = self._run(self.config.cross_reduction, cctx,
                          tuple((p.numel, p.spec) for p in pieces), cross.size)
-        gctx = self._ctx(views, local, 1.0, buffer_id * 3 + 2, timer)
+        gctx = self._ctx(views, local, 1.0, buffer_id * 3 + 2, timer, step)
         pipeline.run((alg.sra_gather(gctx, b, local.rank) for b in plan.blocks),
                      PIPELINE_DEPTH, timer)
         return sent + alg.wire_bytes_sent(ReductionType.SRA, plan, local.size)

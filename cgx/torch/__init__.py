@@ -1,1 +1,87 @@
+"""PyTorch adapter: a drop-in for ``horovod.torch`` with compressed gradient exchange.
 
+Change ``import horovod.torch as hvd`` to ``import cgx.torch as hvd``; the
+rest of a Horovod script stays as it is::
+
+    import cgx.torch as hvd
+    hvd.init()
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+Gradients travel quantized (4 bits, bucket 1024 by default; see the
+``CGX_*`` variables), reduced while backward runs. DDP users register
+``cgx_hook`` instead (see ``cgx.torch.ddp``).
+"""
+
+from __future__ import annotations
+
+import atexit
+
+from cgx import runtime as _runtime
+from cgx.compression import Compression
+from cgx.config import Config, Rounding
+from cgx.torch import backend as _backend
+from cgx.torch.ddp import CGXState, cgx_hook
+from cgx.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                                 broadcast_parameters)
+from cgx.torch.ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum, allgather,
+                           allgather_async, allreduce, allreduce_, allreduce_async,
+                           allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
+                           broadcast_, broadcast_async, broadcast_async_, global_process_set,
+                           grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                           grouped_allreduce_async_, join, poll, reducescatter,
+                           reducescatter_async, synchronize)
+from cgx.torch.optimizer import DistributedOptimizer
+
+size = _runtime.size
+rank = _runtime.rank
+local_rank = _runtime.local_rank
+local_size = _runtime.local_size
+cross_rank = _runtime.cross_rank
+cross_size = _runtime.cross_size
+is_initialized = _runtime.is_initialized
+_atexit_registered = False
+
+
+def init(config=None, *, transport=None, device=None, **_ignored) -> None:
+    """Join the job (``hvd.init()``); see :func:`cgx.runtime.init` for the arguments.
+
+    Horovod's ``comm``/``process_sets`` arguments are accepted and ignored.
+    """
+    global _atexit_registered
+    _runtime.init(config, transport=transport, device=device)
+    if not _atexit_registered:
+        # Registered after the runtime's own exit handler, so it runs first
+        # (atexit is last-in first-out): the engine stops before the transport.
+        atexit.register(_backend.close)
+        _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Stop the engine, write the timeline, close the transport."""
+    _backend.close()
+    _runtime.shutdown()
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def stats():
+    """Totals of every reduction so far (bytes, seconds per phase): a ``ReduceStats``."""
+    return _backend.reducer().totals
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
+    "cross_rank", "cross_size", "mpi_threads_supported", "stats",
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "ProcessSet", "global_process_set",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "synchronize", "poll", "join", "barrier",
+    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    "Compression", "Config", "Rounding", "DistributedOptimizer", "CGXState", "cgx_hook",
+]

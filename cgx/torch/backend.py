@@ -1,0 +1,66 @@
+"""The one reducer and engine the PyTorch adapter shares.
+
+Every collective of ``cgx.torch`` (synchronous or not, optimizer or
+functional) runs on the reducer's engine thread, in submission order. A
+synchronous call is a submission plus a wait; this keeps the order of
+collectives identical on all ranks even while gradient buckets are in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+from cgx import runtime
+from cgx.collectives import Reducer
+from cgx.collectives.engine import Engine, Handle
+from cgx.timeline import Timeline
+
+_lock = threading.Lock()
+_reducer: Optional[Reducer] = None
+_owner: Any = None  # the transport the reducer was built for
+
+
+def reducer() -> Reducer:
+    """The reducer over the current world (created on first use after ``init()``)."""
+    global _reducer, _owner
+    tr = runtime.transport()  # raises NotInitializedError before init()
+    with _lock:
+        if _reducer is None or _owner is not tr:
+            if _reducer is not None:
+                _reducer.close()
+            cfg = runtime.config()
+            local = cross = None
+            if runtime.cross_size() > 1 and runtime.local_size() > 1:
+                local, cross = runtime.local_transport(), runtime.cross_transport()
+            _reducer = Reducer(tr, cfg, local=local, cross=cross,
+                               timeline=Timeline(cfg.timeline, runtime.rank()))
+            _owner = tr
+        return _reducer
+
+
+def engine() -> Engine:
+    red = reducer()
+    if red._engine is None:
+        red._engine = Engine(red.transport.device)
+    return red._engine
+
+
+def submit(fn: Callable[..., Any], *args, label: str = "", **kwargs) -> Handle:
+    """Run ``fn(*args, **kwargs)`` on the engine thread, after everything submitted before."""
+    return engine().submit(fn, args, kwargs, label=label)
+
+
+def run(fn: Callable[..., Any], *args, label: str = "", **kwargs) -> Any:
+    """Submit and wait (the synchronous form of every collective)."""
+    return submit(fn, *args, label=label, **kwargs).wait(runtime.config().timeout_s)
+
+
+def close() -> None:
+    """Stop the engine and write the timeline (called by ``cgx.torch.shutdown()``)."""
+    global _reducer, _owner
+    with _lock:
+        if _reducer is not None:
+            _reducer.close()
+            _reducer.timeline.close()
+        _reducer, _owner = None, None

@@ -1,0 +1,127 @@
+"""A DDP communication hook: cgx compression for ``DistributedDataParallel`` users.
+
+Example::
+
+    model = DDP(model)
+    state = cgx.torch.CGXState(model)             # settings from CGX_* variables
+    model.register_comm_hook(state, cgx.torch.cgx_hook)
+
+The hook reduces each DDP bucket with the fused compressed allreduce (one
+segment per parameter, each with its own per-layer spec) on a background
+engine thread, so DDP's backward keeps running. ``cgx.init()`` is not needed:
+the hook uses DDP's process group.
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from cgx.collectives import Reducer
+from cgx.comm.base import ReduceOp
+from cgx.comm.torch_dist import TorchTransport
+from cgx.config import Config
+from cgx.rules import LayerRules
+
+STATE_FORMAT = 1
+
+
+class CGXState:
+    """All the hook's state: settings, per-parameter specs, error-feedback residuals, counters.
+
+    Args:
+        model: the (DDP-wrapped or plain) module, for parameter names.
+        process_group: DDP's process group (None: the default group).
+        config: settings (default: ``Config.from_env()``).
+        rules: per-layer rules (dict, list or YAML path; see ``cgx.rules``).
+        error_feedback: keep residuals (default: ``config.error_feedback``).
+
+    The state pickles (the process group and engine are rebuilt on first use),
+    and ``state_dict()``/``load_state_dict()`` carry residuals and the step.
+    """
+
+    def __init__(self, model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None,
+                 config: Optional[Config] = None, rules=None,
+                 error_feedback: Optional[bool] = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"CGXState needs the model (a torch.nn.Module) for parameter names, "
+                            f"got {type(model).__name__}")
+        self.config = config or Config.from_env()
+        self.process_group = process_group
+        self.error_feedback = self.config.error_feedback if error_feedback is None \
+            else bool(error_feedback)
+        rules = LayerRules.from_config(self.config, rules)
+        module = model.module if hasattr(model, "module") else model
+        self._names = {id(p): n for n, p in module.named_parameters()}
+        self._specs = {id(p): rules.spec_for(n, tuple(p.shape)) if self.config.quantization_enabled
+                       else None for n, p in module.named_parameters()}
+        # -- internal state (checkpointed) --
+        self.iteration = 0  # buckets of one backward share it; advanced by bucket 0
+        self.residuals = {}  # parameter name -> float32 residual
+        # -- runtime objects (not pickled) --
+        self._reducer: Optional[Reducer] = None
+
+    def reducer(self) -> Reducer:
+        if self._reducer is None:
+            self._reducer = Reducer(TorchTransport(self.process_group), self.config)
+        return self._reducer
+
+    def state_dict(self) -> dict:
+        return {"format": STATE_FORMAT, "iteration": self.iteration,
+                "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"CGXState checkpoint has format {state.get('format')}, expected "
+                             f"{STATE_FORMAT}")
+        self.iteration = int(state["iteration"])
+        self.residuals = {k: v.detach().clone() for k, v in state["residuals"].items()}
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["process_group"] = None  # process groups do not pickle; the default is used
+        state["_reducer"] = None
+        return state
+
+    def _residual(self, name: str, numel: int, device) -> torch.Tensor:
+        e = self.residuals.get(name)
+        if e is None or e.numel() != numel:
+            e = torch.zeros(numel, dtype=torch.float32, device=device)
+            self.residuals[name] = e
+        return e
+
+
+def _reduce(state: CGXState, bucket: dist.GradBucket, fut: torch.futures.Future,
+            step: int) -> None:
+    try:
+        grads = [g.view(-1) for g in bucket.gradients()]
+        params = bucket.parameters()
+        specs = [state._specs.get(id(p)) for p in params]
+        residuals = None
+        if state.error_feedback:
+            residuals = [state._residual(state._names.get(id(p), str(i)), g.numel(), g.device)
+                         if s is not None else None
+                         for i, (p, g, s) in enumerate(zip(params, grads, specs))]
+        state.reducer().allreduce(grads, specs, op=ReduceOp.AVERAGE, residuals=residuals,
+                                  step=step, name=f"ddp.bucket{bucket.index()}")
+        fut.set_result(bucket.buffer())
+    except BaseException as exc:
+        fut.set_exception(exc)
+
+
+def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average the bucket's gradients, compressed per layer.
+
+    Returns a future that completes when the engine thread has reduced the
+    bucket; DDP launches buckets in a fixed order, which the engine keeps.
+    """
+    red = state.reducer()
+    step = state.iteration  # all buckets of one backward share the step of their key
+    if bucket.is_last():
+        state.iteration += 1
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    if red._engine is None:
+        from cgx.collectives.engine import Engine
+        red._engine = Engine(red.transport.device)
+    red._engine.submit(_reduce, (state, bucket, fut, step), label=f"ddp.bucket{bucket.index()}")
+    return fut

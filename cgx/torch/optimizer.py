@@ -1,0 +1,533 @@
+"""``DistributedOptimizer``: compressed, overlapped gradient exchange for any torch optimizer.
+
+How a step runs:
+
+1. Parameters are cut into *buckets* (reverse registration order, which is
+   roughly the order backward produces gradients; the first bucket is small
+   so communication starts early; the others up to ``CGX_FUSION_BUFFER_SIZE_MB``).
+2. During ``loss.backward()``, a post-accumulate-grad hook marks a parameter
+   ready after ``backward_passes_per_step`` passes; when bucket ``k`` and all
+   buckets before it are ready, its reduction is submitted to the engine
+   thread (wait-free backprop): it runs while backward continues.
+3. ``step()`` (or ``synchronize()``) submits what is left, in bucket order,
+   with zero gradients for parameters that got none, waits, and then runs
+   the wrapped optimizer.
+
+Buckets are launched strictly in index order, so every rank issues the same
+collectives in the same order, also when a parameter is unused on one rank.
+
+Compression: ``compression=Compression.none`` (Horovod's default) means *the
+environment decides*: max-min quantization with ``CGX_COMPRESSION_*``
+settings (4 bits, bucket 1024 by default; ``CGX_COMPRESSION_QUANTIZATION_BITS=32``
+turns it off), with per-layer rules from ``rules=`` or
+``CGX_COMPRESSION_CONFIG``. Other compressors (``fp16``, ``bf16``,
+``Compression.quantize(...)``, ``topk``, ``powersgd``) are used as given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+import time
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from cgx import runtime
+from cgx.comm.base import ReduceOp
+from cgx.compression import (Compression, CompressorKind, ErrorFeedback, QuantizeCompressor,
+                             as_compressor)
+from cgx.compression.quantization import QuantSpec
+from cgx.errors import CGXError
+from cgx.rules import LayerRules
+from cgx.torch import backend
+from cgx.torch.ops import Average, Sum, _check_process_set, global_process_set
+
+STATE_FORMAT = 1
+FIRST_BUCKET_BYTES = 1 << 20  # small first bucket: its reduction starts early in backward
+
+
+class GradMode(enum.Enum):
+    """How the gradients of this optimizer travel."""
+
+    EXACT = "exact"  # plain fused allreduce
+    QUANTIZE = "quantize"  # fused compressed allreduce (SRA/ring/allgather), per-layer specs
+    SUMMABLE = "summable"  # cast payloads (fp16, bf16, Horovod-style), fused plain allreduce
+    PER_TENSOR = "per_tensor"  # top-k, PowerSGD: the compressor's own reduction per tensor
+
+
+_registry: "weakref.WeakValueDictionary[int, DistributedOptimizer]" = weakref.WeakValueDictionary()
+_registry_ids = iter(range(1, 1 << 62))
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Same arguments as ``horovod.torch.DistributedOptimizer``, plus ``rules``.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` (not modified, reachable as ``.optimizer``).
+        named_parameters: ``model.named_parameters()``; names key per-layer rules,
+            compression state and error messages.
+        compression: see the module docstring.
+        backward_passes_per_step: backward passes accumulated locally per step.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with Average, divide by this before the
+            sum and by ``size / factor`` after (guards low-precision overflow).
+        num_groups: cut the parameters into this many buckets (0: by size).
+        groups: explicit buckets, a list of lists of parameters.
+        sparse_as_dense: accepted for compatibility; sparse gradients are always
+            made dense (so they can be compressed).
+        process_set: only the global process set is supported.
+        rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
+
+    Example::
+
+        opt = cgx.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters())
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters=None,
+                 compression=Compression.none, backward_passes_per_step: int = 1,
+                 op=Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                 groups=None, sparse_as_dense: bool = False, process_set=global_process_set,
+                 *, rules=None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise ValueError("this optimizer is already a DistributedOptimizer; wrap it once")
+        _check_process_set(process_set)
+        if isinstance(backward_passes_per_step, bool) or not isinstance(
+                backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
+                             f"{backward_passes_per_step!r}")
+        if op not in (Average, Sum):
+            raise ValueError(f"op must be Average or Sum for DistributedOptimizer, got {op!r}")
+        if not gradient_predivide_factor > 0:
+            raise ValueError(f"gradient_predivide_factor must be > 0, got "
+                             f"{gradient_predivide_factor!r}")
+        if gradient_predivide_factor != 1.0 and op is not Average:
+            raise ValueError("gradient_predivide_factor applies to op=Average only")
+        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+            raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
+        # Adopt the wrapped optimizer's param_groups and state objects (shared, not
+        # copied): LR schedulers and GradScaler see one set of groups.
+        self._optimizer = optimizer
+        torch.optim.Optimizer.__setstate__(self, {"defaults": optimizer.defaults,
+                                                  "state": optimizer.state,
+                                                  "param_groups": optimizer.param_groups})
+        self._bpps = backward_passes_per_step
+        self._op = op
+        self._predivide = float(gradient_predivide_factor)
+        self._num_groups = num_groups
+        self._sparse_as_dense = sparse_as_dense
+        self._names = self._name_params(named_parameters)
+        self._user_groups = self._check_groups(groups)
+        self._compression = as_compressor(compression)
+        self._rules_source = rules
+        self._step_count = 0  # part of the state: feeds the stochastic-rounding key
+        self._residuals: dict[str, torch.Tensor] = {}
+        self._registry_id = next(_registry_ids)
+        self._setup()
+
+    # -- construction -------------------------------------------------------------
+
+    def _name_params(self, named_parameters) -> dict:
+        params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is None:
+            return {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+        named = list(named_parameters)
+        if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
+            raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                             "tuples, usually model.named_parameters()")
+        names = [n for n, _ in named]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"named_parameters has duplicate names: {dups}")
+        by_id = {id(p): n for n, p in named}
+        missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+        if missing:
+            raise ValueError(f"named_parameters was given, but {len(missing)} parameter(s) of the "
+                             "optimizer are not in it; pass model.named_parameters() of the "
+                             "model whose parameters the optimizer holds")
+        return by_id
+
+    def _check_groups(self, groups):
+        if groups is None:
+            return None
+        if isinstance(groups, int):
+            if groups < 0:
+                raise ValueError(f"groups={groups} must be >= 0")
+            self._num_groups = groups
+            return None
+        groups = [list(g) for g in groups]
+        known = {id(p) for g in self.param_groups for p in g["params"]}
+        for g in groups:
+            for p in g:
+                if id(p) not in known:
+                    raise ValueError("groups holds a parameter the optimizer does not have")
+        return groups
+
+    def _setup(self) -> None:
+        """Buckets, specs and hooks (again after add_param_group)."""
+        cfg = runtime.config() if runtime.is_initialized() else None
+        if cfg is None:
+            raise CGXError("DistributedOptimizer needs cgx.torch.init() to be called first")
+        self._config = cfg
+        comp = self._compression
+        inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
+        base = cfg
+        self._error_feedback = False
+        if comp.kind is CompressorKind.NONE:
+            self._mode = GradMode.QUANTIZE if cfg.quantization_enabled else GradMode.EXACT
+            self._error_feedback = cfg.error_feedback
+        elif isinstance(inner, QuantizeCompressor):
+            self._mode = GradMode.QUANTIZE
+            base = cfg.replace(bits=inner.bits, bucket_size=inner.bucket_size,
+                               rounding=inner.rounding)
+            self._error_feedback = isinstance(comp, ErrorFeedback)
+        elif comp.summable:
+            self._mode = GradMode.SUMMABLE
+        else:
+            self._mode = GradMode.PER_TENSOR
+        self._rules = LayerRules.from_config(base, self._rules_source)
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        for p in params:
+            if id(p) not in self._names:
+                self._names[id(p)] = f"allreduce.noname.{len(self._names)}"
+        self._params = params
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._buckets = self._make_buckets(params, cfg.fusion_buffer_bytes)
+        self._bucket_of = {}
+        for b, idx in enumerate(self._buckets):
+            for i in idx:
+                self._bucket_of[i] = b
+        self._specs = [self._rules.spec_for(self._names[id(p)], tuple(p.shape))
+                       if self._mode in (GradMode.QUANTIZE, GradMode.PER_TENSOR) else None
+                       for p in params]
+        self._lock = threading.Lock()
+        self._reset_step_state()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._should_sync = True
+        self._synchronized = False
+        self.timing: dict[str, Any] = {}  # last step's launch/start/end times (tests, timeline)
+        _registry[self._registry_id] = self
+
+    def _make_buckets(self, params, cap_bytes) -> list[list[int]]:
+        if self._user_groups is not None:
+            order = [[self._index[id(p)] for p in g if id(p) in self._index]
+                     for g in self._user_groups]
+            grouped = {i for g in order for i in g}
+            rest = [i for i in range(len(params)) if i not in grouped]
+            return [g for g in order if g] + ([rest] if rest else [])
+        rev = list(range(len(params)))[::-1]
+        if self._num_groups:
+            n = min(self._num_groups, len(rev)) or 1
+            return [rev[k * len(rev) // n:(k + 1) * len(rev) // n] for k in range(n)]
+        buckets, cur, size = [], [], 0
+        limit = min(cap_bytes, FIRST_BUCKET_BYTES)
+        for i in rev:
+            nbytes = params[i].numel() * 4
+            if cur and size + nbytes > limit:
+                buckets.append(cur)
+                cur, size, limit = [], 0, cap_bytes
+            cur.append(i)
+            size += nbytes
+        if cur:
+            buckets.append(cur)
+        return buckets
+
+    def _reset_step_state(self) -> None:
+        self._counts = [0] * len(self._params)
+        self._ready = [0] * len(self._buckets)
+        self._next = 0
+        self._handles: list = []
+
+    # -- backward hooks ------------------------------------------------------------
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        i = self._index.get(id(p))
+        if i is None:
+            return
+        with self._lock:
+            c = self._counts[i] + 1
+            if c > self._bpps:
+                raise CGXError(f"gradients of '{self._names[id(p)]}' were computed more than "
+                               f"backward_passes_per_step={self._bpps} times before step(); raise "
+                               "backward_passes_per_step to accumulate gradients locally")
+            self._counts[i] = c
+            if c == self._bpps:
+                b = self._bucket_of[i]
+                self._ready[b] += 1
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._buckets) and \
+                self._ready[self._next] == len(self._buckets[self._next]):
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int, zeros: bool = False, status: bool = True) -> None:
+        if b == 0:
+            self.timing = {"launch": [], "start": [], "end": []}
+            if status and runtime.size() > 1:
+                # One tiny collective per step lets ranks that called join() follow.
+                self._handles.append(backend.submit(_status_exchange, self._registry_id,
+                                                    label="join-status"))
+        grads = []
+        for i in self._buckets[b]:
+            p = self._params[i]
+            if zeros or p.grad is None:
+                g = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                if not zeros:
+                    p.grad = g
+            else:
+                if p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
+                g = p.grad
+            grads.append(g)
+        event = None
+        if grads and grads[0].is_cuda:
+            # The engine thread must see the gradients the backward stream produced.
+            event = torch.cuda.Event()
+            event.record()
+        self.timing["launch"].append(time.perf_counter())
+        self._handles.append(backend.submit(self._reduce_bucket, b, grads, event, zeros,
+                                            label=f"bucket{b}"))
+
+    # -- the reduction of one bucket (engine thread) -----------------------------------
+
+    def _reduce_bucket(self, b: int, grads: list, event, shadow: bool) -> None:
+        self.timing["start"].append(time.perf_counter())
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        red = backend.reducer()
+        idx = self._buckets[b]
+        work = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        work = [w if w.device == red.transport.device else w.to(red.transport.device)
+                for w in work]
+        pre = 1.0 / self._predivide
+        post = self._predivide
+        name = f"opt{self._registry_id}.bucket{b}"
+        if self._mode in (GradMode.EXACT, GradMode.QUANTIZE):
+            specs = [self._specs[i] if self._mode is GradMode.QUANTIZE else None for i in idx]
+            specs = [s if s is not None and w.is_floating_point() else None
+                     for s, w in zip(specs, work)]
+            residuals = None
+            if self._error_feedback and not shadow:
+                residuals = [self._residual(i, w) if s is not None else None
+                             for i, s, w in zip(idx, specs, work)]
+            red.allreduce(work, specs, op=self._op, prescale_factor=pre, postscale_factor=post,
+                          name=name, residuals=residuals, step=self._step_count)
+        elif self._mode is GradMode.SUMMABLE:
+            comp = self._compression
+            pairs = [comp.compress_for_reduction(w.mul_(pre) if pre != 1.0 else w,
+                                                 red.transport, self._names[id(self._params[i])])
+                     for i, w in zip(idx, work)]
+            payloads = [p for p, _ in pairs]
+            red.allreduce(payloads, None, op=ReduceOp.SUM, name=name)
+            scale = post / red.transport.size if self._op is Average else post
+            for w, (pl, ctx) in zip(work, pairs):
+                w.copy_(comp.decompress(pl, ctx).view_as(w))
+                if scale != 1.0:
+                    w.mul_(scale)
+        else:
+            plain = [k for k, i in enumerate(idx) if self._specs[i] is None]
+            if plain:
+                red.allreduce([work[k] for k in plain], None, op=self._op, name=name,
+                              prescale_factor=pre, postscale_factor=post)
+            for k, i in enumerate(idx):
+                if self._specs[i] is not None:
+                    w = work[k].mul_(pre) if pre != 1.0 else work[k]
+                    out = self._compression.allreduce(w, red.transport,
+                                                      self._names[id(self._params[i])], self._op)
+                    w.copy_(out.view_as(w))
+                    if post != 1.0:
+                        w.mul_(post)
+        for g, w in zip(grads, work):
+            if w is not g:
+                g.copy_(w.view_as(g))
+        self.timing["end"].append(time.perf_counter())
+
+    def _residual(self, i: int, w: torch.Tensor) -> torch.Tensor:
+        name = self._names[id(self._params[i])]
+        e = self._residuals.get(name)
+        if e is None or e.numel() != w.numel() or e.device != w.device:
+            e = torch.zeros(w.numel(), dtype=torch.float32, device=w.device)
+            self._residuals[name] = e
+        return e
+
+    # -- the public optimizer API -------------------------------------------------------
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def synchronize(self) -> None:
+        """Finish the gradient exchange of this step: afterwards ``p.grad`` holds the average.
+
+        Call it before gradient clipping, then step inside ``skip_synchronize()``.
+        """
+        with self._lock:
+            while self._next < len(self._buckets):
+                self._launch(self._next)
+                self._next += 1
+            handles = self._handles
+            self._handles = []
+        try:
+            for h in handles:
+                h.wait(self._config.timeout_s)
+        finally:
+            self._reset_step_state()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block ``step()`` does not synchronize (already done by ``synchronize()``)."""
+        self._should_sync = False
+        try:
+            yield
+        finally:
+            self._should_sync = True
+
+    def step(self, closure=None):
+        """Synchronize (unless inside ``skip_synchronize()``) and run the wrapped optimizer."""
+        if self._should_sync:
+            if self._synchronized:
+                warnings.warn("optimizer.step() was called after optimizer.synchronize() "
+                              "without optimizer.skip_synchronize(); the gradients are not "
+                              "reduced twice, but wrap step() in skip_synchronize() to say so",
+                              stacklevel=2)
+            else:
+                self.synchronize()
+        self._synchronized = False
+        self._step_count += 1
+        return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise CGXError("optimizer.zero_grad() was called after loss.backward() but before "
+                           "optimizer.step() or optimizer.synchronize(); the gradients are "
+                           "still being reduced. Call zero_grad() before backward() or after "
+                           "step()")
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add parameters (the same on every rank, in the same order)."""
+        if getattr(self, "_handles", None):
+            raise CGXError("add_param_group() during a step: call it before backward()")
+        self._optimizer.add_param_group(param_group)
+        if hasattr(self, "_hooks"):
+            for h in self._hooks:
+                h.remove()
+            self._setup()
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state plus cgx's (residuals, compressor state, step count)."""
+        sd = self._optimizer.state_dict()
+        sd["cgx"] = {
+            "format": STATE_FORMAT,
+            "step": self._step_count,
+            "residuals": {k: v.detach().clone() for k, v in self._residuals.items()},
+            "compression": self._compression.state_dict(),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        sd = dict(state_dict)
+        extra = sd.pop("cgx", None)
+        self._optimizer.load_state_dict(sd)
+        if extra is None:
+            return
+        if extra.get("format") != STATE_FORMAT:
+            raise ValueError(f"checkpoint cgx state has format {extra.get('format')}, this cgx "
+                             f"reads {STATE_FORMAT}")
+        self._step_count = int(extra["step"])
+        self._residuals = {k: v.detach().clone() for k, v in extra["residuals"].items()}
+        self._compression.load_state_dict(extra["compression"])
+
+    # -- pickling: runtime objects (hooks, locks, handles) are rebuilt ----------------
+
+    def __getstate__(self) -> dict:
+        keep = ("_optimizer", "_bpps", "_op", "_predivide", "_num_groups", "_sparse_as_dense",
+                "_names_by_order", "_user_groups", "_compression", "_rules_source",
+                "_step_count", "_residuals")
+        state = {k: self.__dict__[k] for k in keep if k in self.__dict__}
+        params = [p for g in self._optimizer.param_groups for p in g["params"]]
+        state["_names_by_order"] = [self._names.get(id(p)) for p in params]
+        state["_user_groups"] = None if self._user_groups is None else [
+            [params.index(p) for p in g] for g in self._user_groups]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        opt = state["_optimizer"]
+        torch.optim.Optimizer.__setstate__(self, {"defaults": opt.defaults, "state": opt.state,
+                                                  "param_groups": opt.param_groups})
+        self.__dict__.update(state)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        self._names = {id(p): n for p, n in zip(params, state.pop("_names_by_order"))
+                       if n is not None}
+        if self._user_groups is not None:
+            self._user_groups = [[params[i] for i in g] for g in self._user_groups]
+        self._registry_id = next(_registry_ids)
+        if runtime.is_initialized():
+            self._setup()
+
+    def __repr__(self) -> str:
+        return (f"DistributedOptimizer({type(self._optimizer).__name__}, mode={self._mode.value}, "
+                f"buckets={len(self._buckets)}, compression={self._compression!r})")
+
+    # -- join: shadow steps for ranks that ran out of data --------------------------------
+
+    def _shadow_step(self) -> None:
+        """Take part in one step of the other ranks with zero gradients (after join())."""
+        with self._lock:
+            for b in range(len(self._buckets)):
+                # join_world() already did this step's status exchange.
+                self._launch(b, zeros=True, status=False)
+            handles, self._handles = self._handles, []
+        for h in handles:
+            h.wait(self._config.timeout_s)
+        self._reset_step_state()
+
+
+def _status_exchange(opt_id: int, joined: bool = False) -> int:
+    """Per-step status collective: the largest optimizer id stepping now (0: everyone joined)."""
+    tr = backend.reducer().transport
+    t = torch.tensor([0 if joined else opt_id], dtype=torch.int64, device=tr.device)
+    tr.allreduce(t, ReduceOp.MAX)
+    return int(t.item())
+
+
+def join_world() -> int:
+    """``hvd.join()``: shadow the other ranks' optimizer steps until every rank has joined.
+
+    Returns:
+        The rank that joined last (the highest one if several joined in the same step).
+    """
+    if runtime.size() == 1:
+        return 0
+    shadowed = 0
+    while True:
+        active = backend.run(_status_exchange, 0, True, label="join-status")
+        if active == 0:
+            break
+        opt = _registry.get(active)
+        if opt is None:
+            raise CGXError(f"another rank is stepping DistributedOptimizer #{active}, which "
+                           "this rank does not have; create the same optimizers on every rank")
+        opt._shadow_step()
+        shadowed += 1
+    # The last to join found everyone joined at once: they shadowed no step.
+    return backend.run(_max_rank, shadowed == 0, label="join-last")
+
+
+def _max_rank(candidate: bool) -> int:
+    tr = backend.reducer().transport
+    t = torch.tensor([tr.rank if candidate else -1], dtype=torch.int64, device=tr.device)
+    tr.allreduce(t, ReduceOp.MAX)
+    return int(t.item())
