@@ -283,7 +283,7 @@ def _rules_and_modes(rank, world, rules_path):
     hvd.init(Config(bits=2, minimal_size=0, layer_config=rules_path))
     model = _model()
     specs = {}
-    for comp in (hvd.Compression.none, hvd.Compression.fp16, hvd.Compression.bf16,
+    for comp in (hvd.Compression.none, hvd.Compression.exact, hvd.Compression.fp16, hvd.Compression.bf16,
                  hvd.Compression.quantize(bits=8), hvd.Compression.topk(0.3),
                  hvd.Compression.powersgd(rank=2)):
         m = _model()
@@ -311,7 +311,9 @@ def test_compression_modes_and_layer_rules(tmp_path):
     assert chosen == {"0.weight": 2, "0.bias": None, "2.weight": 8, "2.bias": None,
                       "4.weight": None, "4.bias": None}
     modes = {k: v[0] for k, v in specs0.items()}
-    assert sorted(set(modes.values())) == ["per_tensor", "quantize", "summable"]
+    assert sorted(set(modes.values())) == ["exact", "per_tensor", "quantize", "summable"]
+    from cgx.compression import Compression
+    assert modes[repr(Compression.exact)] == "exact"
     for key, (_, params) in specs0.items():  # every mode keeps the ranks identical
         assert torch.equal(params, res[1][0][key][1]), key
 

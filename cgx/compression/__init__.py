@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from cgx.compression.base import (Compressor, CompressorKind, HorovodCompressor, as_compressor,
                                   stable_tensor_id)
-from cgx.compression.casts import BF16Compressor, FP16Compressor, NoneCompressor
+from cgx.compression.casts import (BF16Compressor, ExactCompressor, FP16Compressor,
+                                  NoneCompressor)
 from cgx.compression.error_feedback import ErrorFeedback
 from cgx.compression.powersgd import PowerSGDCompressor
 from cgx.compression.quantizer import QuantizeCompressor
@@ -48,6 +49,7 @@ class Compression:
     """
 
     none = NoneCompressor
+    exact = ExactCompressor  # uncompressed even when CGX_* variables ask for quantization
     fp16 = FP16Compressor
     bf16 = BF16Compressor
 
@@ -88,6 +90,6 @@ class Compression:
 
 __all__ = [
     "Compression", "Compressor", "CompressorKind", "HorovodCompressor", "as_compressor",
-    "stable_tensor_id", "NoneCompressor", "FP16Compressor", "BF16Compressor",
+    "stable_tensor_id", "NoneCompressor", "ExactCompressor", "FP16Compressor", "BF16Compressor",
     "QuantizeCompressor", "TopKCompressor", "PowerSGDCompressor", "ErrorFeedback",
 ]

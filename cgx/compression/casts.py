@@ -164,6 +164,16 @@ class NoneCompressor(_CastCompressor):
         super().__init__(None)
 
 
+class ExactCompressor(NoneCompressor):
+    """No compression, also where ``Compression.none`` would let the environment decide.
+
+    ``DistributedOptimizer(compression=Compression.none)`` (Horovod's default)
+    quantizes gradients as the ``CGX_*`` variables say; pass
+    ``Compression.exact`` to send them exactly, whatever the environment says.
+    Everywhere else it behaves like :class:`NoneCompressor`.
+    """
+
+
 class FP16Compressor(_CastCompressor):
     """float16 on the wire, half the bytes of float32 (Horovod's ``Compression.fp16``).
 

@@ -20,7 +20,7 @@ Compression: ``compression=Compression.none`` (Horovod's default) means *the
 environment decides*: max-min quantization with ``CGX_COMPRESSION_*``
 settings (4 bits, bucket 1024 by default; ``CGX_COMPRESSION_QUANTIZATION_BITS=32``
 turns it off), with per-layer rules from ``rules=`` or
-``CGX_COMPRESSION_CONFIG``. Other compressors (``fp16``, ``bf16``,
+``CGX_COMPRESSION_CONFIG``. ``Compression.exact`` sends them uncompressed. Other compressors (``fp16``, ``bf16``,
 ``Compression.quantize(...)``, ``topk``, ``powersgd``) are used as given.
 """
 
@@ -38,8 +38,8 @@ import torch
 
 from cgx import runtime
 from cgx.comm.base import ReduceOp
-from cgx.compression import (Compression, CompressorKind, ErrorFeedback, QuantizeCompressor,
-                             as_compressor)
+from cgx.compression import (Compression, CompressorKind, ErrorFeedback, ExactCompressor,
+                             QuantizeCompressor, as_compressor)
 from cgx.compression.quantization import QuantSpec
 from cgx.errors import CGXError
 from cgx.rules import LayerRules
@@ -182,7 +182,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
         base = cfg
         self._error_feedback = False
-        if comp.kind is CompressorKind.NONE:
+        if isinstance(comp, ExactCompressor):
+            self._mode = GradMode.EXACT
+        elif comp.kind is CompressorKind.NONE:
             self._mode = GradMode.QUANTIZE if cfg.quantization_enabled else GradMode.EXACT
             self._error_feedback = cfg.error_feedback
         elif isinstance(inner, QuantizeCompressor):
