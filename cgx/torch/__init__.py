@@ -21,7 +21,7 @@ import atexit
 from cgx import runtime as _runtime
 from cgx.compression import Compression
 from cgx.config import Config, Rounding
-from cgx.torch import backend as _backend
+from cgx import session as _session
 from cgx.torch.ddp import CGXState, cgx_hook
 from cgx.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                  broadcast_parameters)
@@ -54,13 +54,13 @@ def init(config=None, *, transport=None, device=None, **_ignored) -> None:
     if not _atexit_registered:
         # Registered after the runtime's own exit handler, so it runs first
         # (atexit is last-in first-out): the engine stops before the transport.
-        atexit.register(_backend.close)
+        atexit.register(_session.close)
         _atexit_registered = True
 
 
 def shutdown() -> None:
     """Stop the engine, write the timeline, close the transport."""
-    _backend.close()
+    _session.close()
     _runtime.shutdown()
 
 
@@ -70,7 +70,7 @@ def mpi_threads_supported() -> bool:
 
 def stats():
     """Totals of every reduction so far (bytes, seconds per phase): a ``ReduceStats``."""
-    return _backend.reducer().totals
+    return _session.reducer().totals
 
 
 __all__ = [

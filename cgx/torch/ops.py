@@ -22,7 +22,7 @@ from cgx import runtime
 from cgx.comm.base import ReduceOp
 from cgx.compression import Compression, CompressorKind, as_compressor
 from cgx.compression.quantization import QuantSpec
-from cgx.torch import backend
+from cgx import session
 
 Average, Sum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX,
                                    ReduceOp.PRODUCT)
@@ -73,7 +73,7 @@ def _name(name: Optional[str], kind: str) -> str:
 
 
 def _on_transport(t: torch.Tensor) -> torch.Tensor:
-    dev = backend.reducer().transport.device
+    dev = session.reducer().transport.device
     return t if t.device == dev else t.to(dev)
 
 
@@ -82,7 +82,7 @@ def _on_transport(t: torch.Tensor) -> torch.Tensor:
 def _reduce_list(tensors: List[torch.Tensor], op: ReduceOp, pre: float, post: float,
                  name: str, compression) -> List[torch.Tensor]:
     """Runs on the engine thread: reduce copies of ``tensors`` and return them."""
-    red = backend.reducer()
+    red = session.reducer()
     outs = [_on_transport(t.detach()).clone().contiguous() for t in tensors]
     comp = None if compression is None else as_compressor(compression)
     if comp is None or comp.kind is CompressorKind.NONE:
@@ -113,13 +113,13 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, pre, post, name, compression, *tensors):
         ctx.args = (op, pre, post, name, compression)
-        return tuple(backend.run(_reduce_list, list(tensors), op, pre, post, name, compression,
+        return tuple(session.run(_reduce_list, list(tensors), op, pre, post, name, compression,
                                  label=name))
 
     @staticmethod
     def backward(ctx, *grads):
         op, pre, post, name, compression = ctx.args
-        out = backend.run(_reduce_list, [g.contiguous() for g in grads], op, pre, post,
+        out = session.run(_reduce_list, [g.contiguous() for g in grads], op, pre, post,
                           name + ".grad", compression, label=name)
         return (None, None, None, None, None, *out)
 
@@ -130,7 +130,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     _check_process_set(process_set)
     op = handle_average_backwards_compatibility(op, average)
     name = _name(name, "allreduce")
-    return backend.submit(lambda: _reduce_list([tensor], op, prescale_factor, postscale_factor,
+    return session.submit(lambda: _reduce_list([tensor], op, prescale_factor, postscale_factor,
                                                name, None)[0], label=name)
 
 
@@ -165,7 +165,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         tensor.copy_(_reduce_list([tensor], op, prescale_factor, postscale_factor, name, None)[0])
         return tensor
 
-    return backend.submit(work, label=name)
+    return session.submit(work, label=name)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -182,7 +182,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     op = handle_average_backwards_compatibility(op, average)
     name = _name(name, "grouped_allreduce")
     tensors = list(tensors)
-    return backend.submit(_reduce_list, tensors, op, prescale_factor, postscale_factor, name,
+    return session.submit(_reduce_list, tensors, op, prescale_factor, postscale_factor, name,
                           None, label=name)
 
 
@@ -208,7 +208,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
             t.copy_(o)
         return tensors
 
-    return backend.submit(work, label=name)
+    return session.submit(work, label=name)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -225,7 +225,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _allgather_impl(tensor: torch.Tensor) -> torch.Tensor:
-    tr = backend.reducer().transport
+    tr = session.reducer().transport
     t = _on_transport(tensor.detach()).contiguous()
     rows = torch.tensor([t.shape[0] if t.dim() else 1], dtype=torch.int64, device=tr.device)
     all_rows = torch.empty(tr.size, dtype=torch.int64, device=tr.device)
@@ -251,13 +251,13 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name):
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        return backend.run(_allgather_impl, tensor, label=name)
+        return session.run(_allgather_impl, tensor, label=name)
 
     @staticmethod
     def backward(ctx, grad):
-        summed = backend.run(_reduce_list, [grad.contiguous()], ReduceOp.SUM, 1.0, 1.0,
+        summed = session.run(_reduce_list, [grad.contiguous()], ReduceOp.SUM, 1.0, 1.0,
                              "allgather.grad", None)[0]
-        rows = backend.run(_allgather_impl, torch.tensor([ctx.rows]))
+        rows = session.run(_allgather_impl, torch.tensor([ctx.rows]))
         start = int(rows[: runtime.rank()].sum().item())
         return summed[start: start + ctx.rows].view_as(grad[: ctx.rows]) if grad.dim() else \
             summed[runtime.rank()], None
@@ -266,7 +266,7 @@ class _Allgather(torch.autograd.Function):
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start gathering every rank's ``tensor`` along dim 0 (first dims may differ)."""
     _check_process_set(process_set)
-    return backend.submit(_allgather_impl, tensor, label=_name(name, "allgather"))
+    return session.submit(_allgather_impl, tensor, label=_name(name, "allgather"))
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -276,7 +276,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def _broadcast_impl(tensor: torch.Tensor, root_rank: int, out: torch.Tensor) -> torch.Tensor:
-    tr = backend.reducer().transport
+    tr = session.reducer().transport
     if not 0 <= root_rank < tr.size:
         raise ValueError(f"root_rank={root_rank} is not a rank (world size {tr.size})")
     buf = _on_transport(tensor.detach()).clone().contiguous()
@@ -289,18 +289,18 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name):
         ctx.root_rank = root_rank
-        return backend.run(_broadcast_impl, tensor, root_rank, torch.empty_like(tensor), label=name)
+        return session.run(_broadcast_impl, tensor, root_rank, torch.empty_like(tensor), label=name)
 
     @staticmethod
     def backward(ctx, grad):
-        summed = backend.run(_reduce_list, [grad.contiguous()], ReduceOp.AVERAGE, 1.0, 1.0,
+        summed = session.run(_reduce_list, [grad.contiguous()], ReduceOp.AVERAGE, 1.0, 1.0,
                              "broadcast.grad", None)[0]
         return (summed if runtime.rank() == ctx.root_rank else summed * 0), None, None
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
     _check_process_set(process_set)
-    return backend.submit(_broadcast_impl, tensor, root_rank, torch.empty_like(tensor),
+    return session.submit(_broadcast_impl, tensor, root_rank, torch.empty_like(tensor),
                           label=_name(name, "broadcast"))
 
 
@@ -312,7 +312,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
     _check_process_set(process_set)
-    return backend.submit(_broadcast_impl, tensor, root_rank, tensor,
+    return session.submit(_broadcast_impl, tensor, root_rank, tensor,
                           label=_name(name, "broadcast"))
 
 
@@ -322,7 +322,7 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 def _alltoall_impl(tensor: torch.Tensor, splits) -> tuple:
-    tr = backend.reducer().transport
+    tr = session.reducer().transport
     t = _on_transport(tensor.detach()).contiguous()
     W = tr.size
     rows = t.shape[0] if t.dim() else 0
@@ -358,7 +358,7 @@ def _alltoall_impl(tensor: torch.Tensor, splits) -> tuple:
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     _check_process_set(process_set)
-    return backend.submit(lambda: _alltoall_impl(tensor, splits)
+    return session.submit(lambda: _alltoall_impl(tensor, splits)
                           if splits is not None else _alltoall_impl(tensor, None)[0],
                           label=_name(name, "alltoall"))
 
@@ -386,7 +386,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     _check_process_set(process_set)
     op = handle_average_backwards_compatibility(op, None)
     name = _name(name, "reducescatter")
-    return backend.submit(_reducescatter_impl, tensor, op, prescale_factor, postscale_factor,
+    return session.submit(_reducescatter_impl, tensor, op, prescale_factor, postscale_factor,
                           name, None, label=name)
 
 
@@ -400,7 +400,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     _check_process_set(process_set)
     op = handle_average_backwards_compatibility(op, None)
     name = _name(name, "reducescatter")
-    return backend.run(_reducescatter_impl, tensor, op, prescale_factor, postscale_factor, name,
+    return session.run(_reducescatter_impl, tensor, op, prescale_factor, postscale_factor, name,
                        compression, label=name)
 
 
@@ -419,7 +419,7 @@ def synchronize(handle) -> Any:
 def barrier(process_set=global_process_set) -> None:
     """Block until every rank arrives."""
     _check_process_set(process_set)
-    backend.run(lambda: backend.reducer().transport.barrier(), label="barrier")
+    session.run(lambda: session.reducer().transport.barrier(), label="barrier")
 
 
 def join(device=-1) -> int:

@@ -43,7 +43,7 @@ from cgx.compression import (Compression, CompressorKind, ErrorFeedback, ExactCo
 from cgx.compression.quantization import QuantSpec
 from cgx.errors import CGXError
 from cgx.rules import LayerRules
-from cgx.torch import backend
+from cgx import session
 from cgx.torch.ops import Average, Sum, _check_process_set, global_process_set
 
 STATE_FORMAT = 1
@@ -278,7 +278,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.timing = {"launch": [], "start": [], "end": []}
             if status and runtime.size() > 1:
                 # One tiny collective per step lets ranks that called join() follow.
-                self._handles.append(backend.submit(_status_exchange, self._registry_id,
+                self._handles.append(session.submit(_status_exchange, self._registry_id,
                                                     label="join-status"))
         grads = []
         for i in self._buckets[b]:
@@ -298,7 +298,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             event = torch.cuda.Event()
             event.record()
         self.timing["launch"].append(time.perf_counter())
-        self._handles.append(backend.submit(self._reduce_bucket, b, grads, event, zeros,
+        self._handles.append(session.submit(self._reduce_bucket, b, grads, event, zeros,
                                             label=f"bucket{b}"))
 
     # -- the reduction of one bucket (engine thread) -----------------------------------
@@ -307,7 +307,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.timing["start"].append(time.perf_counter())
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
-        red = backend.reducer()
+        red = session.reducer()
         idx = self._buckets[b]
         work = [g if g.is_contiguous() else g.contiguous() for g in grads]
         work = [w if w.device == red.transport.device else w.to(red.transport.device)
@@ -499,7 +499,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
 def _status_exchange(opt_id: int, joined: bool = False) -> int:
     """Per-step status collective: the largest optimizer id stepping now (0: everyone joined)."""
-    tr = backend.reducer().transport
+    tr = session.reducer().transport
     t = torch.tensor([0 if joined else opt_id], dtype=torch.int64, device=tr.device)
     tr.allreduce(t, ReduceOp.MAX)
     return int(t.item())
@@ -515,7 +515,7 @@ def join_world() -> int:
         return 0
     shadowed = 0
     while True:
-        active = backend.run(_status_exchange, 0, True, label="join-status")
+        active = session.run(_status_exchange, 0, True, label="join-status")
         if active == 0:
             break
         opt = _registry.get(active)
@@ -525,11 +525,11 @@ def join_world() -> int:
         opt._shadow_step()
         shadowed += 1
     # The last to join found everyone joined at once: they shadowed no step.
-    return backend.run(_max_rank, shadowed == 0, label="join-last")
+    return session.run(_max_rank, shadowed == 0, label="join-last")
 
 
 def _max_rank(candidate: bool) -> int:
-    tr = backend.reducer().transport
+    tr = session.reducer().transport
     t = torch.tensor([tr.rank if candidate else -1], dtype=torch.int64, device=tr.device)
     tr.allreduce(t, ReduceOp.MAX)
     return int(t.item())

@@ -1,6 +1,6 @@
-"""The one reducer and engine the PyTorch adapter shares.
+"""The one reducer and engine every adapter (PyTorch, TensorFlow) shares.
 
-Every collective of ``cgx.torch`` (synchronous or not, optimizer or
+Every collective of ``cgx.torch`` and ``cgx.tensorflow`` (synchronous or not, optimizer or
 functional) runs on the reducer's engine thread, in submission order. A
 synchronous call is a submission plus a wait; this keeps the order of
 collectives identical on all ranks even while gradient buckets are in flight.
@@ -57,7 +57,7 @@ def run(fn: Callable[..., Any], *args, label: str = "", **kwargs) -> Any:
 
 
 def close() -> None:
-    """Stop the engine and write the timeline (called by ``cgx.torch.shutdown()``)."""
+    """Stop the engine and write the timeline (called by the adapters' ``shutdown()``)."""
     global _reducer, _owner
     with _lock:
         if _reducer is not None:
