@@ -61,6 +61,18 @@ class TransportKind(enum.Enum):
     HOROVOD = "horovod"  # Horovod's own collectives
 
 
+class TorchBackend(enum.Enum):
+    """torch.distributed backend that ``cgx.init()`` creates (``CGX_BACKEND``).
+
+    Only used when cgx creates the process group itself; a group the user
+    already initialized is reused as it is.
+    """
+
+    AUTO = "auto"  # nccl on cuda:local_rank when CUDA is available, else gloo on CPU
+    GLOO = "gloo"  # CPU tensors, also on machines with GPUs
+    NCCL = "nccl"  # CUDA tensors on cuda:local_rank; needs a CUDA build and a GPU
+
+
 class Hierarchy(enum.Enum):
     """Two-level reduction: inside a node, then across nodes (``CGX_HIERARCHICAL``)."""
 
@@ -173,6 +185,10 @@ class Config:
 
     # --- runtime -------------------------------------------------------------
     transport: TransportKind = TransportKind.AUTO  # CGX_TRANSPORT
+    backend: TorchBackend = TorchBackend.AUTO  # CGX_BACKEND: torch.distributed backend
+    # CGX_START_TIMEOUT_S (else HOROVOD_START_TIMEOUT): how long init() waits for
+    # the other ranks to publish rank 0's address before it fails.
+    start_timeout_s: float = 120.0
     timeline: Optional[str] = None  # CGX_TIMELINE (else HOROVOD_TIMELINE): Chrome trace path
     timeout_s: float = 1800.0  # CGX_TIMEOUT_S: collective timeout before an error
     verbose: bool = False  # CGX_VERBOSE
@@ -188,9 +204,11 @@ class Config:
             raise ConfigError(f"pipeline_chunk_mb={self.pipeline_chunk_mb} must be in (0, 4096]")
         if not 1 <= self.cpu_threads <= 256:
             raise ConfigError(f"cpu_threads={self.cpu_threads} must be in [1, 256]")
+        if not 0 < self.start_timeout_s <= 7 * 24 * 3600:
+            raise ConfigError(f"start_timeout_s={self.start_timeout_s} must be in (0, 604800]")
         for name, cls in (("rounding", Rounding), ("inner_reduction", ReductionType),
                           ("cross_reduction", ReductionType), ("hierarchical", Hierarchy),
-                          ("transport", TransportKind)):
+                          ("transport", TransportKind), ("backend", TorchBackend)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a cgx.config.{cls.__name__}, "
                                   f"got {getattr(self, name)!r}")
@@ -221,6 +239,10 @@ class Config:
                              " bytes (Horovod's fusion threshold)")
             fusion_mb = hvd_bytes / (1 << 20)
         timeline = env.get("CGX_TIMELINE") or env.get("HOROVOD_TIMELINE") or None
+        start_timeout = _float(env, "CGX_START_TIMEOUT_S", -1.0, 1.0, 7 * 24 * 3600.0)
+        if start_timeout < 0:
+            start_timeout = _float(env, "HOROVOD_START_TIMEOUT", cls.start_timeout_s, 1.0,
+                                   7 * 24 * 3600.0)
         bits_extra = f" (or {NO_QUANTIZATION_BITS} for no quantization)"
         bits = _int(env, "CGX_COMPRESSION_QUANTIZATION_BITS", cls.bits, MIN_BITS,
                     NO_QUANTIZATION_BITS, bits_extra)
@@ -251,6 +273,8 @@ class Config:
                                      0.0625, 4096.0),
             cpu_threads=_int(env, "CGX_CPU_THREADS", cls.cpu_threads, 1, 256),
             transport=_enum(env, "CGX_TRANSPORT", TransportKind, cls.transport),
+            backend=_enum(env, "CGX_BACKEND", TorchBackend, cls.backend),
+            start_timeout_s=start_timeout,
             timeline=timeline,
             timeout_s=_float(env, "CGX_TIMEOUT_S", cls.timeout_s, 1.0, 7 * 24 * 3600.0),
             verbose=_bool(env, "CGX_VERBOSE", cls.verbose),
@@ -274,6 +298,10 @@ ENV_VARS = {
     "CGX_PIPELINE_CHUNK_MB": "sub-chunk size for overlapping compression with sending (default 4)",
     "CGX_CPU_THREADS": "threads for CPU (de)compression (default 1)",
     "CGX_TRANSPORT": "auto | torch | mpi | horovod (default auto)",
+    "CGX_BACKEND": "auto | gloo | nccl: torch.distributed backend cgx.init() creates "
+                   "(default auto: nccl if CUDA is available, else gloo)",
+    "CGX_START_TIMEOUT_S": "seconds cgx.init() waits for rank 0's address (default 120; "
+                           "else HOROVOD_START_TIMEOUT)",
     "CGX_TIMELINE": "write a Chrome-trace timeline here (else HOROVOD_TIMELINE)",
     "CGX_TIMEOUT_S": "seconds before a stuck collective raises (default 1800)",
     "CGX_VERBOSE": "log what cgx decides (default 0)",
