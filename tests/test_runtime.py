@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import cgx
+import cgx.rendezvous as rdv
 import cgx.runtime as rt
 from cgx.comm.base import SingleProcessTransport, Transport
 from cgx.config import Config
@@ -288,10 +289,10 @@ def _hvd_world(rank, port):
 def test_http_exchange():
     cfg = Config(start_timeout_s=0.5)
     with KVServer() as kv:
-        assert rt._HTTPExchange(_hvd_world(0, kv.port), cfg).run(lambda: ("10.1.1.1", 77)) == (
+        assert rdv._HTTPExchange(_hvd_world(0, kv.port), cfg).run(lambda: ("10.1.1.1", 77)) == (
             "10.1.1.1", 77)
-        assert rt._HTTPExchange(_hvd_world(1, kv.port), cfg).run(None) == ("10.1.1.1", 77)
-        assert list(kv.store) == [(rt.KV_SCOPE, f"master.{rt._inits}")]
+        assert rdv._HTTPExchange(_hvd_world(1, kv.port), cfg).run(None) == ("10.1.1.1", 77)
+        assert list(kv.store) == [(rdv.KV_SCOPE, "master.0")]
 
 
 def test_http_exchange_reports_rank0_failure_and_timeout():
@@ -300,19 +301,19 @@ def test_http_exchange_reports_rank0_failure_and_timeout():
         def broken():
             raise OSError("no network")
         with pytest.raises(OSError, match="no network"):
-            rt._HTTPExchange(_hvd_world(0, kv.port), cfg).run(broken)
+            rdv._HTTPExchange(_hvd_world(0, kv.port), cfg).run(broken)
         with pytest.raises(CGXError, match="rank 0 failed to set up the job: OSError: no network"):
-            rt._HTTPExchange(_hvd_world(1, kv.port), cfg).run(None)
+            rdv._HTTPExchange(_hvd_world(1, kv.port), cfg).run(None)
         kv.store.clear()
         with pytest.raises(CGXError, match=r"rank 0 did not publish its address at http://"
                                            r"127\.0\.0\.1:\d+/cgx/master\.\d+ within 0.5 s"):
-            rt._HTTPExchange(_hvd_world(1, kv.port), cfg).run(None)
+            rdv._HTTPExchange(_hvd_world(1, kv.port), cfg).run(None)
 
 
 def test_unknown_master_address():
     w = WorldInfo(1, 2, 1, 2, 0, 1, "h", Launcher.TORCHRUN)
     with pytest.raises(ConfigError, match="torchrun launched 2 ranks without MASTER_ADDR"):
-        rt._store(w, Config())
+        rdv.make_store(w, Config())
 
 
 # -- real ranks -----------------------------------------------------------------------------
@@ -362,7 +363,7 @@ def test_horovod_gloo_rendezvous_two_nodes():
         res = run_ranks(WORLD_SNIPPET, launcher="env", rank_env=horovod_gloo_env(kv.port, 1, 2),
                         env={"CGX_TRANSPORT": "torch"}, timeout=LAUNCH_TIMEOUT_S)
         outs = res.check()
-        record = kv.store[(rt.KV_SCOPE, "master.0")].decode()
+        record = kv.store[(rdv.KV_SCOPE, "master.0")].decode()
     check_world(outs, "horovod_gloo", local_size=1)
     assert [o["world"]["hostname"] for o in outs] == ["node0", "node1"]
     assert '"addr"' in record and "127.0.0.1" not in record

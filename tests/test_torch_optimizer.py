@@ -1,6 +1,5 @@
 """cgx.torch.DistributedOptimizer on real Gloo ranks."""
 
-import os
 import pickle
 
 import pytest
@@ -342,3 +341,28 @@ def test_validation_errors():
         hvd.allreduce(torch.ones(1), op=hvd.Adasum)
     with pytest.raises(CGXError, match="init"):
         hvd.DistributedOptimizer(sgd)
+
+
+def _concurrent_user_collectives(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    hvd = _init(dict(bits=4))
+    a, b = _model(), DDP(_model())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1),
+                                   named_parameters=a.named_parameters())
+    for step in range(10):
+        opt.zero_grad()
+        b.zero_grad()
+        _loss(a, rank, step).backward()  # cgx's buckets are reduced in the background...
+        _loss(b, rank, step).backward()  # ...while DDP reduces on the default group,
+        t = torch.tensor([1.0])
+        dist.all_reduce(t)  # and the user issues a collective of their own
+        opt.step()
+    return torch.cat([p.detach().view(-1) for p in a.parameters()]), t.item()
+
+
+def test_user_collectives_concurrent_with_cgx():
+    """cgx runs on its own process group, so it never interleaves with the user's."""
+    (p0, t0), (p1, t1) = run_gloo(_concurrent_user_collectives, 2, timeout=120)
+    assert torch.equal(p0, p1) and t0 == t1 == 2.0

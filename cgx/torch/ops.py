@@ -14,7 +14,7 @@ Same names, signatures and defaults as Horovod 0.28.1. Differences, by design:
 from __future__ import annotations
 
 import itertools
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
 
 import torch
 

@@ -40,7 +40,6 @@ from cgx import runtime
 from cgx.comm.base import ReduceOp
 from cgx.compression import (Compression, CompressorKind, ErrorFeedback, ExactCompressor,
                              QuantizeCompressor, as_compressor)
-from cgx.compression.quantization import QuantSpec
 from cgx.errors import CGXError
 from cgx.rules import LayerRules
 from cgx import session
