@@ -18,6 +18,8 @@ if _sources:
         Extension(
             "cgx._cquant",
             sources=_sources,
+            # quant_impl.h is the kernel body included by quant.c: rebuild when it changes
+            depends=sorted(glob.glob(os.path.join("cgx", "csrc", "*.h"))),
             # -ffp-contract=off: no fused multiply-add, so the C path rounds
             # exactly like the torch reference and the Triton kernels.
             extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno"],

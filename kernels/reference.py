@@ -113,7 +113,9 @@ def quantize(x: torch.Tensor, bits: int, bucket_size: int, stochastic: bool, key
     r = noise(key, index_offset, n, x.device) if stochastic else 0.5
     levels = (1 << bits) - 1
     v = torch.clamp(t + r, 0.0, float(levels))
-    bad = nonfinite.repeat_interleave(bucket_size)[:n]
+    # Non-finite buckets, and a NaN t (a finite range beyond FLT_MAX at 1 bit makes
+    # unit = inf, so 0 * inf), encode 0 explicitly: casting NaN to int is platform-defined.
+    bad = nonfinite.repeat_interleave(bucket_size)[:n] | torch.isnan(v)
     q = torch.where(bad, torch.zeros_like(v), v).to(torch.int64)  # trunc == floor for v >= 0
     meta = torch.stack([unit, lo], dim=1).reshape(-1).view(torch.uint8)
     out[: meta.numel()] = meta
@@ -143,7 +145,8 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int, bucket_size: int,
     if numel == 0:
         return out
     nb = wire.num_buckets(numel, bucket_size)
-    meta = payload[: nb * 8].contiguous().view(torch.float32).view(nb, 2)
+    # clone: a segment may start at any byte offset, and view(float32) needs a 4-aligned one
+    meta = payload[: nb * 8].clone().view(torch.float32).view(nb, 2)
     unit_e = meta[:, 0].repeat_interleave(bucket_size)[:numel]
     lo_e = meta[:, 1].repeat_interleave(bucket_size)[:numel]
     q = _unpack(payload[nb * 8:], numel, bits)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import warnings
 from typing import Optional
 
 import torch
@@ -99,13 +100,30 @@ def _check_payload(payload: torch.Tensor, numel: int, spec: QuantSpec) -> None:
                          "sender and receiver disagree on the layout")
 
 
+_warned_reference_fallback = False
+
+
+def _warn_reference_fallback(reason: Optional[str]) -> None:
+    """Say once per process that CPU quantization runs on the slow reference."""
+    global _warned_reference_fallback
+    if _warned_reference_fallback:
+        return
+    _warned_reference_fallback = True
+    warnings.warn(f"cgx: the fast C quantization path is not available ({reason}); CPU tensors "
+                  "are quantized by the plain-torch reference, which is many times slower. "
+                  "Build it with `make ext` (needs a C compiler).", RuntimeWarning, stacklevel=4)
+
+
 def _resolve(backend, device: torch.device) -> Backend:
     backend = Backend(backend) if not isinstance(backend, Backend) else backend
     if backend is Backend.AUTO:
         if device.type == "cuda":
             return Backend.TRITON
         from cgx.compression import cpu
-        return Backend.C if cpu.available() else Backend.TORCH
+        if cpu.available():
+            return Backend.C
+        _warn_reference_fallback(cpu.unavailable_reason())
+        return Backend.TORCH
     if backend is Backend.C and device.type != "cpu":
         raise ValueError(f"backend 'c' runs on CPU tensors; this tensor is on {device}")
     return backend
