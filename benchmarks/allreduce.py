@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--bucket", type=int, default=1024)
     p.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
-    p.add_argument("--pipeline-mb", type=float, default=4.0, help="CGX_PIPELINE_CHUNK_MB")
+    p.add_argument("--pipeline-mb", type=float, default=16.0,
+                   help="largest pipeline block in MB (CGX_PIPELINE_CHUNK_MB)")
     p.add_argument("--out", default="benchmarks/results/allreduce",
                    help="output prefix (.json, .md, .png)")
     args = p.parse_args(argv)

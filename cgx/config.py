@@ -180,7 +180,7 @@ class Config:
     inner_reduction: ReductionType = ReductionType.SRA  # CGX_INNER_REDUCTION_TYPE
     cross_reduction: ReductionType = ReductionType.SRA  # CGX_CROSS_REDUCTION_TYPE
     hierarchical: Hierarchy = Hierarchy.AUTO  # CGX_HIERARCHICAL
-    pipeline_chunk_mb: float = 4.0  # CGX_PIPELINE_CHUNK_MB: sub-chunk for compress/send overlap
+    pipeline_chunk_mb: float = 16.0  # CGX_PIPELINE_CHUNK_MB: largest pipeline block (compress/send overlap)
     cpu_threads: int = 1  # CGX_CPU_THREADS: threads for CPU (de)compression
 
     # --- runtime -------------------------------------------------------------
@@ -295,7 +295,7 @@ ENV_VARS = {
     "CGX_INNER_REDUCTION_TYPE": "sra | ring | allgather, inside a node (default sra)",
     "CGX_CROSS_REDUCTION_TYPE": "sra | ring | allgather, across nodes (default sra)",
     "CGX_HIERARCHICAL": "auto | on | off: reduce inside nodes first (default auto)",
-    "CGX_PIPELINE_CHUNK_MB": "sub-chunk size for overlapping compression with sending (default 4)",
+    "CGX_PIPELINE_CHUNK_MB": "largest pipeline block, MB of fp32 (compression overlaps sending; default 16)",
     "CGX_CPU_THREADS": "threads for CPU (de)compression (default 1)",
     "CGX_TRANSPORT": "auto | torch | mpi | horovod (default auto)",
     "CGX_BACKEND": "auto | gloo | nccl: torch.distributed backend cgx.init() creates "

@@ -110,6 +110,22 @@ class ReduceContext:
             dequantize(buf[base + p.byte_offset: base + p.byte_offset + p.nbytes], p.numel, p.spec,
                        out=self.values(p), accumulate=accumulate, backend=self.backend)
 
+    def scale_meta(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int) -> None:
+        """Multiply every bucket's (unit, min) in ``buf`` by ``scale``.
+
+        Max-min quantization is affine: a bucket of ``y`` quantized as
+        (unit, min, codes) becomes a quantization of ``scale * y`` with
+        (scale * unit, scale * min, the same codes). Scaling the few metadata
+        floats before decoding replaces a full pass over the values (used by
+        ALLGATHER, which decodes every rank's buffer anyway).
+        """
+        if self.scale == 1.0:
+            return
+        for p in pieces:
+            nb = wire.num_buckets(p.numel, p.spec.bucket_size)
+            start = base + p.byte_offset
+            buf[start: start + 8 * nb].view(torch.float32).mul_(self.scale)
+
     def rescale(self, pieces: Sequence[Piece]) -> None:
         if self.scale != 1.0:
             for p in pieces:
@@ -191,8 +207,8 @@ def allgather_block(ctx: ReduceContext, block: Block) -> BlockProgram:
     yield t.allgather(recv, send, async_op=True)
     with ctx.timer.time("decompress"):
         for j in range(W):  # rank order: the same float sum on every rank
+            ctx.scale_meta(pieces, recv, j * S)
             ctx.decode(pieces, recv, j * S, accumulate=j > 0)
-        ctx.rescale(pieces)
 
 
 _PROGRAMS = {

@@ -36,6 +36,8 @@ from cgx.collectives.layout import make_plan
 from cgx.timeline import Timeline
 
 PIPELINE_DEPTH = 3  # collectives in flight: enough to keep one link busy
+PIPELINE_BLOCKS = 8  # aim for this many pipeline blocks per call...
+MIN_BLOCK_BYTES = 1 << 20  # ...of at least 1 MB (fp32): each collective has a fixed cost
 
 
 @dataclasses.dataclass
@@ -239,11 +241,20 @@ class Reducer:
                                     "bfloat16 tensors can be quantized (use spec None)")
         return tensors, specs
 
-    def _block_numel(self) -> int:
-        return max(8, int(self.config.pipeline_chunk_mb * (1 << 20)) // 4)
+    def _block_numel(self, segs) -> int:
+        """Values per pipeline block: ~PIPELINE_BLOCKS blocks, within [1 MB, CGX_PIPELINE_CHUNK_MB].
+
+        Measured on 2 ranks at 1 Gbit/s (100 MB): 2 MB blocks 4.5x faster than Gloo
+        fp32, 4 MB 5.8x, 8-16 MB 6.9x: per-collective overhead dominates small
+        blocks, while too few blocks leave compression unoverlapped.
+        """
+        total = sum(n for n, _ in segs)
+        largest = max(8, int(self.config.pipeline_chunk_mb * (1 << 20)) // 4)
+        smallest = min(largest, MIN_BLOCK_BYTES // 4)
+        return max(smallest, min(largest, -(-total // PIPELINE_BLOCKS)))
 
     def _run(self, algorithm, ctx, segs, world) -> int:
-        plan = make_plan(segs, alg.chunks_per_block(algorithm, world), self._block_numel())
+        plan = make_plan(segs, alg.chunks_per_block(algorithm, world), self._block_numel(segs))
         pipeline.run(alg.programs(algorithm, ctx, plan), PIPELINE_DEPTH, ctx.timer)
         return alg.wire_bytes_sent(algorithm, plan, world)
 
@@ -282,7 +293,7 @@ class Reducer:
         # Hierarchical: reduce-scatter inside the node, reduce this rank's slice
         # across nodes, allgather inside the node. Keys differ per phase.
         local, cross = self.local, self.cross
-        plan = make_plan(segs, local.size, self._block_numel())
+        plan = make_plan(segs, local.size, self._block_numel(segs))
         lctx = self._ctx(views, local, 1.0, buffer_id * 3, timer, step)
         pipeline.run((alg.sra_scatter(lctx, b) for b in plan.blocks), PIPELINE_DEPTH, timer)
         pieces = [p for b in plan.blocks for p in b.chunks[local.rank]]
