@@ -312,3 +312,17 @@ def test_module_is_a_legal_extension():
     import cgx._cquant as mod  # importable like any extension, the kernels live behind ctypes
     assert "ctypes" in mod.__doc__
     assert isinstance(cpu._require(), ctypes.CDLL)
+
+
+def test_public_api_passes_threads_to_the_c_path():
+    """quantization.quantize/dequantize(threads=2) (CGX_CPU_THREADS) give the same bytes."""
+    from cgx.compression.quantization import QuantSpec, dequantize, quantize
+    from cgx.config import Rounding
+
+    x = torch.randn(300_000, generator=torch.Generator().manual_seed(3))
+    spec = QuantSpec(4, 1024, Rounding.STOCHASTIC)
+    one = quantize(x, spec, key=9, backend="c", threads=1)
+    two = quantize(x, spec, key=9, backend="c", threads=2)
+    assert torch.equal(one, two)
+    assert torch.equal(dequantize(one, x.numel(), spec, backend="c", threads=2),
+                       dequantize(one, x.numel(), spec, backend="c"))

@@ -71,6 +71,7 @@ class ReduceContext:
     buffer_id: int = 0
     timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
     backend: str = "auto"
+    threads: int = 1  # CPU threads per (de)compression call (CGX_CPU_THREADS)
     residuals: Optional[Sequence[torch.Tensor]] = None
 
     def key(self, stage: int) -> int:
@@ -95,20 +96,21 @@ class ReduceContext:
             out = buf[base + p.byte_offset: base + p.byte_offset + p.nbytes]
             if self.residuals is None:
                 quantize(x, p.spec, out=out, key=key, index_offset=p.index,
-                         write_back=write_back, backend=self.backend)
+                         write_back=write_back, backend=self.backend, threads=self.threads)
                 continue
             e = self.residuals[p.segment][p.offset: p.offset + p.numel]
             e.add_(x)  # e = v = x + old residual (3 extra passes: only with error feedback)
             x.copy_(e)
             quantize(x, p.spec, out=out, key=key, index_offset=p.index, write_back=True,
-                     backend=self.backend)
+                     backend=self.backend, threads=self.threads)
             e.sub_(x)  # e = v - decoded(v)
 
     def decode(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int,
                accumulate: bool) -> None:
         for p in pieces:
             dequantize(buf[base + p.byte_offset: base + p.byte_offset + p.nbytes], p.numel, p.spec,
-                       out=self.values(p), accumulate=accumulate, backend=self.backend)
+                       out=self.values(p), accumulate=accumulate, backend=self.backend,
+                       threads=self.threads)
 
     def scale_meta(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int) -> None:
         """Multiply every bucket's (unit, min) in ``buf`` by ``scale``.

@@ -260,7 +260,8 @@ class Reducer:
 
     def _ctx(self, views, transport, scale, buffer_id, timer, step) -> alg.ReduceContext:
         return alg.ReduceContext(views, transport, scale=scale, seed=self.config.seed,
-                                 step=step, buffer_id=buffer_id, timer=timer)
+                                 step=step, buffer_id=buffer_id, timer=timer,
+                                 threads=self.config.cpu_threads)
 
     def _check_residuals(self, residuals, tensors, comp, algorithm):
         if residuals is None:

@@ -131,7 +131,7 @@ def _resolve(backend, device: torch.device) -> Backend:
 
 def quantize(x: torch.Tensor, spec: QuantSpec, *, out: Optional[torch.Tensor] = None,
              key: int = 0, index_offset: int = 0, write_back: bool = False,
-             backend: Backend | str = Backend.AUTO) -> torch.Tensor:
+             backend: Backend | str = Backend.AUTO, threads: int = 1) -> torch.Tensor:
     """Quantize the values of ``x`` into a wire-format segment.
 
     Args:
@@ -143,6 +143,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, out: Optional[torch.Tensor] = 
         index_offset: counter of the first value (position inside the fused buffer).
         write_back: also overwrite ``x`` with the decoded values (fused requantize).
         backend: see :class:`Backend`.
+        threads: CPU threads of the C path (split at bucket boundaries; ``CGX_CPU_THREADS``).
 
     Returns:
         The uint8 segment (``out`` or a new tensor), exactly ``spec.nbytes(n)`` bytes.
@@ -157,7 +158,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, out: Optional[torch.Tensor] = 
     if impl is Backend.C:
         from cgx.compression import cpu
         return cpu.quantize(x, spec.bits, spec.bucket_size, spec.stochastic, key, index_offset,
-                            write_back, out)
+                            write_back, out, threads=threads)
     if impl is Backend.TRITON:
         from cgx.kernels import quantize as tq
         return tq.quantize(x, spec.bits, spec.bucket_size, spec.stochastic, key, index_offset,
@@ -174,7 +175,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, out: Optional[torch.Tensor] = 
 def dequantize(payload: torch.Tensor, numel: int, spec: QuantSpec, *,
                out: Optional[torch.Tensor] = None, accumulate: bool = False,
                dtype: torch.dtype = torch.float32,
-               backend: Backend | str = Backend.AUTO) -> torch.Tensor:
+               backend: Backend | str = Backend.AUTO, threads: int = 1) -> torch.Tensor:
     """Decode ``numel`` values from a segment made by :func:`quantize`.
 
     Args:
@@ -203,7 +204,8 @@ def dequantize(payload: torch.Tensor, numel: int, spec: QuantSpec, *,
     impl = _resolve(backend, payload.device)
     if impl is Backend.C:
         from cgx.compression import cpu
-        return cpu.dequantize(payload, numel, spec.bits, spec.bucket_size, out, accumulate)
+        return cpu.dequantize(payload, numel, spec.bits, spec.bucket_size, out, accumulate,
+                              threads=threads)
     if impl is Backend.TRITON:
         from cgx.kernels import dequantize as tdq
         return tdq.dequantize(payload, numel, spec.bits, spec.bucket_size, out, accumulate)
