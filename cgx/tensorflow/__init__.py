@@ -1,1 +1,109 @@
+"""TensorFlow adapter: a drop-in for ``horovod.tensorflow`` with compressed gradient exchange.
 
+Change ``import horovod.tensorflow as hvd`` to ``import cgx.tensorflow as hvd``::
+
+    import cgx.tensorflow as hvd
+    hvd.init()
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    if first_batch:
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        hvd.broadcast_variables(opt.variables, root_rank=0)
+
+Keras users import ``cgx.tensorflow.keras`` (``DistributedOptimizer``,
+callbacks). The adapter is thin: tensors cross to the torch-based core
+through DLPack and every collective runs on the engine thread that
+``cgx.torch`` shares (see ``docs/tensorflow.md``). Gradients travel quantized
+(4 bits, bucket 1024 by default; see the ``CGX_*`` variables).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from cgx.errors import MissingDependencyError
+
+
+def _load_triton_first() -> None:
+    """Load Triton's native library before TensorFlow can break it.
+
+    Loading ``triton._C.libtriton`` (it bundles LLVM) after TensorFlow crashes
+    the process (segmentation fault, TF 2.21 / Triton 3.8 measured here), and
+    torch loads Triton on its own, e.g. when a ``torch.optim`` optimizer is
+    created. A process that uses TensorFlow and torch together therefore
+    loads Triton first (~0.2 s); if TensorFlow is already loaded, Triton's
+    library is bound to its own symbols (``RTLD_DEEPBIND``), which avoids the
+    crash as well.
+    """
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is None \
+            or not hasattr(sys, "getdlopenflags"):
+        return
+    flags = sys.getdlopenflags()
+    if "tensorflow" in sys.modules:
+        sys.setdlopenflags(flags | getattr(os, "RTLD_DEEPBIND", 0))
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken Triton is torch's business, not this import's
+        pass
+    finally:
+        sys.setdlopenflags(flags)
+
+
+_load_triton_first()
+
+try:
+    import tensorflow as _tf  # noqa: F401
+except ModuleNotFoundError as _exc:
+    if _exc.name != "tensorflow":
+        raise  # TensorFlow is there but broken: show its own error
+    raise MissingDependencyError("tensorflow", "tensorflow",
+                                 "cgx.tensorflow (the TensorFlow/Keras adapter)") from None
+
+from cgx import runtime as _runtime
+from cgx.compression import Compression
+from cgx.config import Config, Rounding
+from cgx.tensorflow._bridge import XLAUnsupportedError
+from cgx.tensorflow.gradients import DistributedGradientTape
+from cgx.tensorflow.ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
+                                allgather, allgather_object, allreduce, alltoall, barrier,
+                                broadcast, broadcast_object, broadcast_variables,
+                                global_process_set, grouped_allreduce)
+# One init/shutdown for both adapters: the same runtime, the same engine thread.
+from cgx.torch import init, shutdown, stats
+
+size = _runtime.size
+rank = _runtime.rank
+local_rank = _runtime.local_rank
+local_size = _runtime.local_size
+cross_rank = _runtime.cross_rank
+cross_size = _runtime.cross_size
+is_initialized = _runtime.is_initialized
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def __getattr__(name):
+    # horovod.tensorflow.DistributedOptimizer wraps Keras optimizers too; loading
+    # Keras costs seconds, so only on first use.
+    if name == "DistributedOptimizer":
+        from cgx.tensorflow.keras import DistributedOptimizer
+        return DistributedOptimizer
+    raise AttributeError(f"module 'cgx.tensorflow' has no attribute {name!r}")
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
+    "cross_rank", "cross_size", "mpi_threads_supported", "stats",
+    "Average", "Sum", "Min", "Max", "Product", "Adasum", "ProcessSet", "global_process_set",
+    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "barrier",
+    "broadcast_variables", "broadcast_object", "allgather_object",
+    "Compression", "Config", "Rounding", "DistributedGradientTape", "DistributedOptimizer",
+    "XLAUnsupportedError",
+]

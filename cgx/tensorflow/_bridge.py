@@ -1,0 +1,117 @@
+"""TensorFlow <-> torch hand-over, and running a Python collective eagerly or in a graph.
+
+The core reduces torch tensors. On CPU a TF tensor becomes a torch tensor
+through DLPack without a copy (:func:`to_torch`), and a torch result becomes
+a TF tensor the same way (:func:`to_tf`); TF then owns a reference to the
+torch memory. TF tensors are immutable and their buffers may be shared, so
+the core never writes into a tensor obtained from :func:`to_torch`: every
+collective reduces a copy (one ``memcpy``, ~4 GB/s here, cheap next to
+quantization) and hands that copy back.
+
+Inside ``tf.function`` a collective is one ``tf.py_function`` op
+(:func:`run_collective`). ``py_function`` ops are stateful, so
+``tf.function``'s automatic control dependencies run them in program order:
+every rank issues its collectives in the same order, as ``cgx.session``
+requires. XLA cannot compile a Python op; under ``jit_compile=True`` the
+call fails early with :class:`XLAUnsupportedError`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+import torch
+import torch.utils.dlpack
+
+# TF's CPU allocator aligns buffers to 64 bytes and its kernels assume it
+# (a misaligned buffer aborts the process in Eigen); torch allocations are
+# 64-byte aligned too, but a view at an offset (a slice of a gathered buffer)
+# need not be.
+TF_ALIGNMENT = 64
+
+_NO_DLPACK = (tf.string, tf.resource, tf.variant)
+
+
+class XLAUnsupportedError(ValueError):
+    """A cgx collective was traced inside an XLA-compiled function."""
+
+    # Autograph re-raises errors from converted code as their own type only when
+    # it can call that type with a message, which it recognizes by this __init__;
+    # otherwise the user would get an anonymous StagingError.
+    __init__ = Exception.__init__
+
+
+def _on_cpu(x: tf.Tensor) -> bool:
+    device = getattr(x, "device", "") or ""
+    return device == "" or ":CPU:" in device.upper()
+
+
+def to_torch(x: tf.Tensor) -> torch.Tensor:
+    """A torch view of an eager TF tensor (zero-copy on CPU; a host copy otherwise).
+
+    Never write into the result: it may share memory with ``x``.
+    """
+    if x.dtype in _NO_DLPACK:
+        raise TypeError(f"cgx collectives take numeric or bool tensors, got dtype {x.dtype.name}")
+    if _on_cpu(x):
+        return torch.utils.dlpack.from_dlpack(tf.experimental.dlpack.to_dlpack(x))
+    # GPU tensors go through host memory: sharing them would need TF's and
+    # torch's CUDA streams ordered, which DLPack alone does not do.
+    arr = x.numpy()
+    if x.dtype == tf.bfloat16:  # NumPy has no bfloat16 that torch reads
+        return torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)
+
+
+def to_tf(t: torch.Tensor) -> tf.Tensor:
+    """A TF tensor sharing ``t``'s memory (copied first when misaligned or strided)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()  # see to_torch: results come back through host memory
+    if not t.is_contiguous() or t.data_ptr() % TF_ALIGNMENT:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(t))
+
+
+def copy_to_torch(x: tf.Tensor) -> torch.Tensor:
+    """A torch tensor with its own memory holding ``x``: what the core may reduce in place."""
+    return to_torch(x).clone(memory_format=torch.contiguous_format)
+
+
+def in_xla_context() -> bool:
+    """True while tracing a function that XLA compiles (``jit_compile=True``)."""
+    from tensorflow.python.ops import control_flow_util
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+def _op_name(label: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9_.\-/]", "_", label).strip("_./-") or "collective"
+    return "cgx_" + name
+
+
+def run_collective(fn: Callable[..., Sequence[tf.Tensor]], inputs: Sequence[tf.Tensor],
+                   dtypes: Sequence[tf.DType], shapes: Sequence[tf.TensorShape],
+                   label: str) -> list:
+    """Run ``fn(*inputs) -> list of TF tensors`` now (eager) or as one graph op.
+
+    Args:
+        fn: the Python body; it receives eager tensors in both modes.
+        inputs: TF tensors.
+        dtypes, shapes: of the outputs (shapes may be partly unknown).
+        label: names the op and the error messages.
+    """
+    if tf.executing_eagerly():
+        return list(fn(*inputs))
+    if in_xla_context():
+        raise XLAUnsupportedError(
+            f"cgx's {label} runs as a Python op (tf.py_function), which XLA cannot compile. "
+            "Turn XLA off for this function: tf.function(jit_compile=False), or "
+            "model.compile(..., jit_compile=False) with Keras")
+    outs = tf.py_function(fn, list(inputs), list(dtypes), name=_op_name(label))
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    for out, shape in zip(outs, shapes):
+        out.set_shape(shape)
+    return outs

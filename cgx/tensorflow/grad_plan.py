@@ -1,0 +1,218 @@
+"""How a list of gradients travels: the compression mode, per-tensor specs, residuals.
+
+Framework-free (torch tensors and the cgx core only, no TensorFlow): the
+TensorFlow adapter hands its gradients over as torch tensors and runs
+:meth:`GradientPlan.reduce` on the engine thread. The mapping from a
+``compression=`` argument to a mode is the one ``cgx.torch.DistributedOptimizer``
+applies (same :class:`~cgx.torch.optimizer.GradMode` values):
+
+=====================================  ==========  ====================================
+``compression=``                       mode        what travels
+=====================================  ==========  ====================================
+``Compression.none`` (the default)     QUANTIZE    the environment decides: ``CGX_*``
+                                                   quantization, per-layer rules
+                                                   (EXACT with ``..._BITS=32``)
+``Compression.exact``                  EXACT       plain fused allreduce
+``Compression.quantize(...)``          QUANTIZE    its bits/bucket/rounding, with rules
+``fp16``, ``bf16``, Horovod-style      SUMMABLE    cast payloads, one plain allreduce
+``topk(...)``, ``powersgd(...)``       PER_TENSOR  the compressor's own reduction
+=====================================  ==========  ====================================
+
+In QUANTIZE mode, :meth:`cgx.rules.LayerRules.spec_for` decides per tensor
+(by name and shape) whether it is quantized and how; small and 1-D tensors
+travel exact. Error feedback (``CGX_COMPRESSION_ERROR_FEEDBACK=1`` with
+``Compression.none``, or ``Compression.quantize(error_feedback=True)``) keeps
+one float32 residual per compressed tensor in this object.
+
+Example::
+
+    plan = GradientPlan(["fc1/kernel", "fc1/bias"], [(784, 256), (256,)])
+    out = session.run(plan.reduce, [g_kernel.clone(), g_bias.clone()], name="grads")
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from cgx import runtime
+from cgx import session
+from cgx.comm.base import ReduceOp
+from cgx.compression import (Compression, CompressorKind, ErrorFeedback, ExactCompressor,
+                             QuantizeCompressor, as_compressor)
+from cgx.compression.quantization import FLOAT_DTYPES
+from cgx.config import Config
+from cgx.rules import LayerRules
+from cgx.torch.optimizer import GradMode
+
+STATE_FORMAT = 1
+
+
+def unique_names(names: Sequence[Optional[str]], prefix: str) -> list[str]:
+    """``names`` with None filled in and repeats made unique (``w``, ``w.1``, ``w.2``).
+
+    Names key compressor state (residuals, warm starts), so two tensors must
+    never share one; the suffixes depend only on the order, the same on every rank.
+    """
+    out, seen = [], {}
+    for i, n in enumerate(names):
+        n = n if n else f"{prefix}.noname.{i}"
+        k = seen.get(n, 0)
+        seen[n] = k + 1
+        out.append(n if k == 0 else f"{n}.{k}")
+    return out
+
+
+class GradientPlan:
+    """Reduction recipe for a fixed list of gradients (names, shapes, compression).
+
+    Args:
+        names: one name per gradient (variable path); keys rules and state.
+        shapes: one shape per gradient.
+        compression: a ``compression=`` argument (see the module docstring).
+        op: ``ReduceOp.AVERAGE`` or ``ReduceOp.SUM``.
+        predivide: with AVERAGE, divide by this before the sum and by
+            ``size / predivide`` after.
+        rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
+        config: defaults (``cgx.runtime.config()`` when omitted).
+
+    Attributes:
+        mode: the :class:`GradMode` chosen.
+        specs: one ``QuantSpec`` (compressed) or None (exact) per gradient;
+            in PER_TENSOR mode a spec only marks the tensor as compressed.
+        step: reductions done so far; the default stochastic-rounding step.
+    """
+
+    def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]],
+                 compression=Compression.none, *, op: ReduceOp = ReduceOp.AVERAGE,
+                 predivide: float = 1.0, rules=None, config: Optional[Config] = None):
+        if len(names) != len(shapes):
+            raise ValueError(f"got {len(names)} names for {len(shapes)} shapes; pass one "
+                             "name per gradient")
+        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"gradients reduce with op Average or Sum, got {op!r}")
+        cfg = config if config is not None else runtime.config()
+        comp = as_compressor(compression)
+        inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
+        base, error_feedback = cfg, False
+        if isinstance(comp, ExactCompressor):
+            mode = GradMode.EXACT
+        elif comp.kind is CompressorKind.NONE:
+            mode = GradMode.QUANTIZE if cfg.quantization_enabled else GradMode.EXACT
+            error_feedback = cfg.error_feedback
+        elif isinstance(inner, QuantizeCompressor):
+            mode = GradMode.QUANTIZE
+            base = cfg.replace(bits=inner.bits, bucket_size=inner.bucket_size,
+                               rounding=inner.rounding)
+            error_feedback = isinstance(comp, ErrorFeedback)
+        elif comp.summable:
+            mode = GradMode.SUMMABLE
+        else:
+            mode = GradMode.PER_TENSOR
+        layer_rules = LayerRules.from_config(base, rules)
+        self.names = list(names)
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
+        self.compression = comp
+        self.op = op
+        self.predivide = float(predivide)
+        self.mode = mode
+        self.error_feedback = error_feedback
+        self.specs = [layer_rules.spec_for(n, s)
+                      if mode in (GradMode.QUANTIZE, GradMode.PER_TENSOR) else None
+                      for n, s in zip(self.names, self.shapes)]
+        self.step = 0
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    def reduce(self, grads: list, *, name: str, step: Optional[int] = None,
+               indices: Optional[Sequence[int]] = None, shadow: bool = False) -> list:
+        """Reduce ``grads`` over all ranks; runs on the engine thread (``session.run``).
+
+        Args:
+            grads: contiguous torch tensors, owned by the caller (they are
+                overwritten; the results may be these same tensors).
+            name: the collective's label, the same on every rank (feeds the
+                stochastic-rounding key).
+            step: stochastic-rounding step (default: :attr:`step`); callers
+                whose step survives checkpoints (an optimizer's iterations) pass it.
+            indices: which of the plan's tensors ``grads`` are (default: all,
+                in order); a bucketed caller reduces one bucket per call.
+            shadow: zeros reduced on behalf of ranks that still train (join):
+                error-feedback residuals are left alone.
+
+        Returns:
+            The reduced tensors, shaped like ``grads``.
+        """
+        idx = list(range(len(self.names))) if indices is None else list(indices)
+        if len(grads) != len(idx):
+            raise ValueError(f"plan is for {len(idx)} gradients, got {len(grads)}")
+        names = [self.names[i] for i in idx]
+        specs = [self.specs[i] for i in idx]
+        step = self.step if step is None else int(step)
+        self.step += 1
+        red = session.reducer()
+        dev = red.transport.device
+        work = [g if g.device == dev and g.is_contiguous() else g.contiguous().to(dev)
+                for g in grads]
+        pre, post = 1.0 / self.predivide, self.predivide
+        if self.mode in (GradMode.EXACT, GradMode.QUANTIZE):
+            # The reducer quantizes float32/16/bf16 only; float64 travels exact.
+            specs = [s if s is not None and w.dtype in FLOAT_DTYPES else None
+                     for s, w in zip(specs, work)]
+            residuals = None
+            if self.error_feedback and not shadow:
+                residuals = [self._residual(n, w) if s is not None else None
+                             for n, s, w in zip(names, specs, work)]
+            red.allreduce(work, specs, op=self.op, prescale_factor=pre, postscale_factor=post,
+                          name=name, residuals=residuals, step=step)
+        elif self.mode is GradMode.SUMMABLE:
+            comp = self.compression
+            pairs = [comp.compress_for_reduction(w.mul_(pre) if pre != 1.0 else w,
+                                                 red.transport, n)
+                     for n, w in zip(names, work)]
+            red.allreduce([p for p, _ in pairs], None, op=ReduceOp.SUM, name=name)
+            scale = post / red.transport.size if self.op is ReduceOp.AVERAGE else post
+            for w, (payload, ctx) in zip(work, pairs):
+                w.copy_(comp.decompress(payload, ctx).view_as(w))
+                if scale != 1.0:
+                    w.mul_(scale)
+        else:
+            plain = [k for k, s in enumerate(specs) if s is None]
+            if plain:
+                red.allreduce([work[k] for k in plain], None, op=self.op, name=name,
+                              prescale_factor=pre, postscale_factor=post)
+            for k, (n, s) in enumerate(zip(names, specs)):
+                if s is not None:
+                    w = work[k].mul_(pre) if pre != 1.0 else work[k]
+                    w.copy_(self.compression.allreduce(w, red.transport, n, self.op).view_as(w))
+                    if post != 1.0:
+                        w.mul_(post)
+        return [w if w.device == g.device else w.to(g.device) for w, g in zip(work, grads)]
+
+    def _residual(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        e = self._residuals.get(name)
+        if e is None or e.numel() != w.numel() or e.device != w.device:
+            e = torch.zeros(w.numel(), dtype=torch.float32, device=w.device)
+            self._residuals[name] = e
+        return e
+
+    @property
+    def compressed_numel(self) -> int:
+        """Values that travel compressed (the others go exact)."""
+        return sum(math.prod(s) for s, spec in zip(self.shapes, self.specs) if spec is not None)
+
+    # -- state: residuals, step and the compressor's own state ----------------------
+
+    def state_dict(self) -> dict:
+        return {"format": STATE_FORMAT, "step": self.step,
+                "residuals": {k: v.detach().clone() for k, v in self._residuals.items()},
+                "compression": self.compression.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"expected a GradientPlan state of format {STATE_FORMAT} (from "
+                             f"state_dict()), got {type(state).__name__}")
+        self.step = int(state["step"])
+        self._residuals = {k: v.detach().clone() for k, v in state["residuals"].items()}
+        self.compression.load_state_dict(state["compression"])

@@ -1,0 +1,280 @@
+"""Gradient exchange for TensorFlow: ``DistributedGradientTape`` and the shared exchange.
+
+How gradients cross the frameworks (one ``tf.py_function`` op per exchange,
+or a direct call when eager)::
+
+    TF gradients --DLPack view, one copy--> torch work buffers
+        --session.run(GradientPlan.reduce)--> reduced in place on the engine thread
+        --DLPack, no copy--> TF tensors
+
+The :class:`~cgx.tensorflow.grad_plan.GradientPlan` decides per gradient, by
+variable name and shape, whether it travels quantized (``CGX_*`` settings and
+layer rules, as ``cgx.torch.DistributedOptimizer`` does) or exact. All
+gradients of one call are reduced in one fused collective; ``None``
+gradients are left out (the variable set is the same on every rank: one
+graph), and ``tf.IndexedSlices`` are made dense so they can be compressed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+import threading
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+from cgx import runtime
+from cgx import session
+from cgx.compression import Compression
+from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf
+from cgx.tensorflow.grad_plan import GradientPlan, unique_names
+from cgx.tensorflow.ops import (Average, Sum, _check_process_set, global_process_set,
+                                tf_side_compressor)
+
+_labels = itertools.count()
+
+
+def variable_name(v, fallback: Optional[str] = None) -> Optional[str]:
+    """The name rules match: a Keras 3 variable's ``path`` ("dense/kernel"), else
+    a tf.Variable's name without ":0"."""
+    path = getattr(v, "path", None)
+    if isinstance(path, str) and path:
+        return path
+    try:
+        name = v.name
+    except AttributeError:  # eager tensors have no name
+        return fallback
+    if isinstance(name, str) and name:
+        return name[:-2] if name.endswith(":0") else name
+    return fallback
+
+
+def check_gradient_args(op, gradient_predivide_factor, who: str):
+    """Validate the options shared by the tape and the Keras optimizer."""
+    if op is not Average and op is not Sum:
+        raise ValueError(f"op must be Average or Sum for {who}, got {op!r}")
+    if isinstance(gradient_predivide_factor, bool) or \
+            not isinstance(gradient_predivide_factor, numbers.Real) or \
+            not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be a number > 0, got "
+                         f"{gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op is not Average:
+        raise ValueError("gradient_predivide_factor applies to op=Average only")
+
+
+class GradientExchange:
+    """Reduces lists of TF gradients; one :class:`GradientPlan` per variable set.
+
+    Args:
+        compression: see :mod:`cgx.tensorflow.grad_plan` (a Horovod-style TF
+            compressor is applied on the TF side, its payloads reduced exactly).
+        op: Average or Sum.
+        gradient_predivide_factor: as in Horovod.
+        rules: per-layer rules (``cgx.rules``).
+        label: names the collective (timeline, stochastic-rounding key); the
+            same on every rank.
+    """
+
+    def __init__(self, compression=Compression.none, op=Average,
+                 gradient_predivide_factor: float = 1.0, rules=None,
+                 label: Optional[str] = None):
+        check_gradient_args(op, gradient_predivide_factor, "gradient reduction")
+        self._user = tf_side_compressor(compression)
+        self.compression = Compression.exact if self._user is not None else compression
+        self.op = op
+        self.predivide = float(gradient_predivide_factor)
+        self.rules = rules
+        self.label = label or f"grads{next(_labels)}"
+        self._plans: dict = {}
+        self._lock = threading.Lock()
+
+    def plan(self, names: Sequence[str], shapes, dtypes) -> GradientPlan:
+        key = (tuple(names), tuple(tuple(s) for s in shapes), tuple(dtypes))
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = GradientPlan(names, shapes, self.compression, op=self.op,
+                                    predivide=self.predivide, rules=self.rules)
+                self._plans[key] = plan
+            return plan
+
+    @tf.autograph.experimental.do_not_convert
+    def __call__(self, grads: Sequence, variables: Sequence, names: Optional[Sequence] = None,
+                 step=None) -> list:
+        """The reduced ``grads`` (None stays None), eagerly or as graph ops.
+
+        Args:
+            grads: one gradient (tensor, IndexedSlices or None) per variable.
+            variables: the variables (or tensors) differentiated; give the shapes.
+            names: one name per variable (default: :func:`variable_name`).
+            step: optional int tensor, the stochastic-rounding step (an
+                optimizer's ``iterations``, so that it survives checkpoints).
+        """
+        grads = list(grads)
+        if len(grads) != len(variables):
+            raise ValueError(f"got {len(grads)} gradients for {len(variables)} variables")
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1:
+            # Each replica would issue its own exchange, in an order no rank controls.
+            raise ValueError(f"cgx exchanges gradients between processes, one model replica "
+                             f"each; this tf.distribute strategy runs {replicas} replicas in "
+                             "this process. Drop the strategy and start one process per device")
+        if names is None:
+            names = [variable_name(v) for v in variables]
+        dense = [None if g is None else
+                 tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                 for g in grads]
+        keep = [i for i, g in enumerate(dense) if g is not None]
+        if not keep or runtime.size() == 1:
+            return dense  # Average and Sum over one rank change nothing
+        if self._user is not None:
+            pairs = {i: self._user.compress(dense[i]) for i in keep}
+            payloads = list(dense)
+            for i in keep:
+                payloads[i] = pairs[i][0]
+            reduced = self._exchange(payloads, variables, names, keep, step, use_var_shape=False)
+            for i in keep:
+                reduced[i] = self._user.decompress(reduced[i], pairs[i][1])
+            return reduced
+        return self._exchange(dense, variables, names, keep, step, use_var_shape=True)
+
+    def _exchange(self, dense, variables, names, keep, step, use_var_shape) -> list:
+        sub = [tf.convert_to_tensor(dense[i]) for i in keep]
+        shapes = []
+        for i, g in zip(keep, sub):
+            shape = g.shape
+            if not shape.is_fully_defined() and use_var_shape:
+                shape = tf.TensorShape(getattr(variables[i], "shape", None))
+            if not shape.is_fully_defined():
+                raise ValueError(f"the gradient of {names[i] or f'source {i}'} has shape "
+                                 f"{shape}; cgx reduces gradients of static shape")
+            shapes.append(shape)
+        plan = self.plan(unique_names([names[i] for i in keep], self.label),
+                         [s.as_list() for s in shapes], [g.dtype.name for g in sub])
+        inputs = sub + ([] if step is None else [tf.cast(step, tf.int64)])
+        label = self.label
+
+        def body(*xs):
+            st = int(xs[-1].numpy()) if step is not None else None
+            work = [copy_to_torch(x) for x in xs[:len(sub)]]
+            out = session.run(plan.reduce, work, name=label, step=st, label=label)
+            return [to_tf(o) for o in out]
+
+        reduced = run_collective(body, inputs, [g.dtype for g in sub], shapes, label)
+        out = list(dense)
+        for i, r in zip(keep, reduced):
+            out[i] = r
+        return out
+
+
+# Tapes are usually wrapped anew at every step (Horovod's idiom); the exchange
+# (its plans, error-feedback residuals, compressor state, step counters) must
+# outlive them, so tapes with equal settings share one. cgx compressors' reprs
+# spell out every option, so a compressor built anew each step with the same
+# options still finds the first one's state.
+_exchanges: dict = {}
+_exchanges_lock = threading.Lock()
+
+
+def _shared_exchange(compression, op, predivide, rules) -> GradientExchange:
+    key = (repr(compression), op, float(predivide), repr(rules))
+    with _exchanges_lock:
+        ex = _exchanges.get(key)
+        if ex is None:
+            ex = GradientExchange(compression, op, predivide, rules,
+                                  label=f"tape{len(_exchanges)}")
+            _exchanges[key] = ex
+        return ex
+
+
+class DistributedGradientTape:
+    """Wraps a ``tf.GradientTape``: ``gradient()`` returns gradients averaged over all ranks.
+
+    Same use as ``horovod.tensorflow.DistributedGradientTape``; everything
+    but ``gradient`` is the wrapped tape's.
+
+    Args:
+        gradtape: a ``tf.GradientTape`` (recorded, or used as a context manager
+            through this wrapper).
+        compression: ``Compression.none`` (default: the environment decides,
+            4-bit quantization per variable with ``CGX_*`` defaults),
+            ``Compression.exact``, ``fp16``, ``bf16``, ``quantize(...)``,
+            ``topk(...)``, ``powersgd(...)``, or a Horovod-style TF compressor.
+        sparse_as_dense: accepted for compatibility; ``tf.IndexedSlices``
+            gradients are always made dense (so they can be compressed).
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with Average, divide by this before the sum
+            and by ``size / factor`` after.
+        named_variables: optional ``(name, variable)`` pairs (or a dict name ->
+            variable) naming the sources for layer rules; by default a Keras
+            variable's ``path`` or a tf.Variable's name.
+        rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
+
+    Example::
+
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    """
+
+    def __init__(self, gradtape, compression=Compression.none, sparse_as_dense: bool = False,
+                 op=Average, gradient_predivide_factor: float = 1.0, named_variables=None, *,
+                 rules=None, device_dense: str = "", device_sparse: str = "",
+                 process_set=global_process_set, num_groups: int = 0, groups=None,
+                 scale_local_gradients: bool = True):
+        if isinstance(gradtape, DistributedGradientTape):
+            raise ValueError("this tape is already a DistributedGradientTape; wrap it once")
+        if not isinstance(gradtape, tf.GradientTape):
+            raise TypeError(f"gradtape must be a tf.GradientTape, got {type(gradtape).__name__}")
+        _check_process_set(process_set)
+        check_gradient_args(op, gradient_predivide_factor, "DistributedGradientTape")
+        self._tape = gradtape
+        self._names = _named(named_variables)
+        self._exchange = _shared_exchange(compression, op, gradient_predivide_factor, rules)
+        self.sparse_as_dense = sparse_as_dense
+
+    @property
+    def tape(self) -> tf.GradientTape:
+        """The wrapped ``tf.GradientTape``."""
+        return self._tape
+
+    @tf.autograph.experimental.do_not_convert
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        """``tape.gradient(...)``, then averaged (or summed) over all ranks."""
+        grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
+                                    unconnected_gradients=unconnected_gradients)
+        flat_sources = tf.nest.flatten(sources, expand_composites=False)
+        flat_grads = tf.nest.flatten(grads, expand_composites=False)
+        names = [self._names.get(id(s)) or variable_name(s) for s in flat_sources]
+        reduced = self._exchange(flat_grads, flat_sources, names)
+        return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
+
+    def __enter__(self):
+        self._tape.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._tape.__exit__(*exc)
+
+    def __getattr__(self, name):
+        # Only reached for names this class does not define: watch, reset, jacobian, ...
+        if name == "_tape":
+            raise AttributeError(name)
+        return getattr(self._tape, name)
+
+
+def _named(named_variables) -> dict:
+    if named_variables is None:
+        return {}
+    items = named_variables.items() if isinstance(named_variables, dict) else named_variables
+    out = {}
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str):
+            raise ValueError("named_variables should be (name, variable) pairs or a dict "
+                             f"name -> variable, got an item {item!r}")
+        out[id(item[1])] = item[0]
+    return out

@@ -1,0 +1,242 @@
+"""``DistributedOptimizer`` for Keras 3 (TensorFlow backend).
+
+A real ``keras.optimizers.Optimizer`` subclass that wraps another optimizer,
+the way ``keras.optimizers.LossScaleOptimizer`` does: the wrapped optimizer
+keeps its variables, learning rate, iterations and update rule; this class
+only averages the gradients over all ranks before handing them on. Keras
+calls ``apply_gradients`` -> :meth:`DistributedOptimizer.apply` inside its
+compiled train step, so the gradient exchange becomes one op of that
+``tf.function`` (see ``cgx.tensorflow.gradients``).
+
+With ``backward_passes_per_step=N`` the gradients of N batches are summed
+locally into accumulator variables (part of this optimizer's state, so they
+are checkpointed and broadcast with it) and exchanged once, on every N-th
+batch; the wrapped optimizer's ``iterations`` still counts every batch, as
+with Horovod.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras.src.utils import tracking  # LossScaleOptimizer's tool: build() adds no attributes
+
+from cgx.comm.base import ReduceOp
+from cgx.compression import Compression
+from cgx.tensorflow.gradients import GradientExchange, check_gradient_args
+from cgx.tensorflow.keras._serialization import compression_from_config, compression_to_config
+from cgx.tensorflow.ops import Average, _check_process_set, global_process_set, tf_side_compressor
+
+
+@keras.saving.register_keras_serializable(package="cgx")
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """Wraps a Keras optimizer so that it applies gradients averaged over all ranks.
+
+    Same arguments as ``horovod.tensorflow.keras.DistributedOptimizer``.
+
+    Args:
+        optimizer: a Keras 3 optimizer (reachable as ``.inner_optimizer``;
+            its hyperparameters are read through this wrapper too).
+        name: default ``"Distributed" + the wrapped class name``.
+        compression: ``Compression.none`` (default: the environment decides,
+            4-bit quantization per variable with ``CGX_*`` defaults and layer
+            rules on variable paths such as ``"sequential/dense/kernel"``),
+            ``Compression.exact``, ``fp16``, ``bf16``, ``quantize(...)``,
+            ``topk(...)``, ``powersgd(...)``, or a Horovod-style TF compressor.
+        sparse_as_dense: accepted for compatibility; sparse gradients are always
+            made dense (so they can be compressed).
+        gradient_predivide_factor: with Average, divide by this before the sum
+            and by ``size / factor`` after.
+        op: ``Average`` (default) or ``Sum``.
+        backward_passes_per_step: batches whose gradients are summed locally
+            before one exchange and one update.
+        average_aggregated_gradients: divide those summed gradients by
+            ``backward_passes_per_step``.
+        rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
+
+    Example::
+
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size(), momentum=0.9))
+        model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    """
+
+    def __init__(self, optimizer, name=None, compression=Compression.none,
+                 sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                 op=Average, backward_passes_per_step: int = 1,
+                 average_aggregated_gradients: bool = False, *, rules=None,
+                 device_dense: str = "", device_sparse: str = "",
+                 process_set=global_process_set):
+        if isinstance(optimizer, DistributedOptimizer):
+            raise ValueError("this optimizer is already a DistributedOptimizer; wrap it once")
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(f"optimizer must be a Keras 3 optimizer (keras.optimizers.*), got "
+                            f"{type(optimizer).__module__}.{type(optimizer).__name__}; tf_keras "
+                            "(legacy Keras 2) optimizers are not supported")
+        _check_process_set(process_set)
+        check_gradient_args(op, gradient_predivide_factor, "DistributedOptimizer")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(
+                backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
+                             f"{backward_passes_per_step!r}")
+        if not isinstance(average_aggregated_gradients, bool):
+            raise TypeError(f"average_aggregated_gradients must be True or False, got "
+                            f"{average_aggregated_gradients!r}")
+        tf_side_compressor(compression)  # TypeError for what cannot be a compressor
+        super().__init__(learning_rate=0.0,
+                         name=name or f"Distributed{type(optimizer).__name__}")
+        self._compression = compression
+        self._sparse_as_dense = bool(sparse_as_dense)
+        self._predivide = float(gradient_predivide_factor)
+        self._op = op
+        self._bpps = backward_passes_per_step
+        self._average_aggregated = average_aggregated_gradients
+        self._rules = rules
+        self._exchange = GradientExchange(compression, op, gradient_predivide_factor, rules,
+                                          label=self.name)
+        # Set last: attribute reads fall through to the wrapped optimizer from here on.
+        self.inner_optimizer = optimizer
+
+    # -- delegation to the wrapped optimizer ---------------------------------------------
+
+    def __getattr__(self, name):
+        # Only reached for attributes this object lacks: public hyperparameters
+        # (momentum, beta_1, ...) are the wrapped optimizer's.
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is None or name.startswith("_"):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+        return getattr(inner, name)
+
+    @property
+    def variables(self):
+        return self._variables[:] + self.inner_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    # -- building and applying ----------------------------------------------------------
+
+    @tracking.no_automatic_dependency_tracking
+    def build(self, var_list):
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
+        super().build(var_list)
+        if self._bpps > 1:
+            self._accumulators = [self.add_variable_from_reference(v, name="cgx_accumulator")
+                                  for v in var_list]
+            self._pending = self.add_variable(shape=(), dtype="int", name="cgx_pending_passes")
+
+    @tf.autograph.experimental.do_not_convert
+    def apply(self, grads, trainable_variables=None):
+        """Average ``grads`` over all ranks (or accumulate them), then apply them."""
+        grads = list(grads)
+        if not grads:
+            return
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError("apply() without variables needs a built optimizer; call "
+                                 "optimizer.build(model.trainable_variables) first")
+            trainable_variables = self._trainable_variables
+        else:
+            trainable_variables = list(trainable_variables)
+            if not self.built:
+                with keras.name_scope(self.name, caller=self):
+                    self.build(trainable_variables)
+                self.built = True
+        if len(grads) != len(trainable_variables):
+            raise ValueError(f"got {len(grads)} gradients for {len(trainable_variables)} "
+                             "variables")
+        if self._bpps == 1:
+            self.inner_optimizer.apply(self._reduce(grads, trainable_variables),
+                                       trainable_variables)
+        else:
+            self._accumulate(grads, trainable_variables)
+
+    def _reduce(self, grads, variables):
+        return self._exchange(grads, variables, step=self.inner_optimizer.iterations)
+
+    def _accumulate(self, grads, variables):
+        accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
+        present = [g is not None for g in grads]
+        for g, acc in zip(grads, accs):
+            if g is not None:
+                acc.assign_add(tf.cast(tf.convert_to_tensor(g), acc.dtype))
+        self._pending.assign_add(1)
+        scale = 1.0 / self._bpps if self._average_aggregated else 1.0
+
+        def exchange_and_apply():
+            agg = [tf.convert_to_tensor(a) * tf.cast(scale, a.dtype) if p else None
+                   for a, p in zip(accs, present)]
+            self.inner_optimizer.apply(self._reduce(agg, variables), variables)
+            for a, p in zip(accs, present):
+                if p:
+                    a.assign(tf.zeros(a.shape, a.dtype))
+            self._pending.assign(0)
+
+        def count_only():
+            # Horovod's convention: iterations count every batch, applied or not.
+            self.inner_optimizer._iterations.assign_add(1)
+
+        # The same branch on every rank: the counter advances identically everywhere.
+        tf.cond(tf.convert_to_tensor(self._pending) >= self._bpps, exchange_and_apply,
+                count_only)
+
+    def set_compression(self, compression) -> None:
+        """Use ``compression`` from the next step on (e.g. after loading a saved model)."""
+        tf_side_compressor(compression)
+        self._compression = compression
+        self._exchange = GradientExchange(compression, self._op, self._predivide, self._rules,
+                                          label=self.name)
+
+    # -- serialization ----------------------------------------------------------------
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "compression": compression_to_config(self._compression),
+            "sparse_as_dense": self._sparse_as_dense,
+            "gradient_predivide_factor": self._predivide,
+            "op": self._op.value,
+            "backward_passes_per_step": self._bpps,
+            "average_aggregated_gradients": self._average_aggregated,
+            "rules": self._rules if isinstance(self._rules, (str, type(None))) else
+            _plain(self._rules),
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("optimizer"),
+                                                      custom_objects=custom_objects)
+        config["compression"] = compression_from_config(config.get("compression"))
+        config["op"] = ReduceOp(config.get("op", "average"))
+        return cls(inner, **config)
+
+    def __repr__(self) -> str:
+        return (f"DistributedOptimizer({type(self.inner_optimizer).__name__}, "
+                f"compression={self._compression!r}, op={self._op.value}, "
+                f"backward_passes_per_step={self._bpps})")
+
+
+def _plain(rules):
+    """Rules as plain lists/dicts (Keras may hand back tracked containers)."""
+    if isinstance(rules, dict):
+        return {k: _plain(v) for k, v in rules.items()}
+    if isinstance(rules, (list, tuple)):
+        return [_plain(v) for v in rules]
+    return rules

@@ -1,0 +1,323 @@
+"""Horovod-compatible collectives on TensorFlow tensors (``horovod.tensorflow.mpi_ops``).
+
+Each call hands its tensors to the torch-level implementation that
+``cgx.torch`` uses (through :mod:`cgx.tensorflow._bridge`: DLPack on CPU, no
+copy in, one copy for the result), on the shared engine thread of
+``cgx.session``, so TF and torch collectives of one process stay in one order.
+They work eagerly and inside ``tf.function`` (one ``tf.py_function`` op each;
+not under XLA, see ``_bridge``), and have gradients: ``allreduce``'s
+backward allreduces the gradient the same way, ``allgather``'s sums and
+keeps this rank's rows, ``broadcast``'s sums onto the root (zeros elsewhere),
+``alltoall``'s sends the gradient back.
+
+Differences from Horovod, by design (as in ``cgx.torch``):
+
+* ``allreduce`` is exact unless a ``compression`` is passed (gradient
+  compression from the environment applies to ``DistributedGradientTape``
+  and the Keras ``DistributedOptimizer``, not to metric averaging).
+* ``process_set`` accepts only the global set; ``op=Adasum`` is not supported;
+  ``device_dense``/``device_sparse`` are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import torch
+
+from cgx import runtime
+from cgx import session
+from cgx.compression import Compression, Compressor, as_compressor
+from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf, to_torch
+# The torch-level bodies of the collectives (framework-free apart from torch):
+# shared with cgx.torch so that one implementation serves both adapters.
+from cgx.torch.ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,  # noqa: F401
+                           _allgather_impl, _alltoall_impl, _broadcast_impl, _check_process_set,
+                           _name, _reduce_list, global_process_set,
+                           handle_average_backwards_compatibility)
+
+
+# Autograph would rewrite these Python bodies when they are called inside a
+# tf.function; they only branch on Python values, so they run as written.
+_no_autograph = tf.autograph.experimental.do_not_convert
+
+
+def tf_side_compressor(compression):
+    """``compression`` when it is a Horovod-style TF compressor, else None.
+
+    cgx compressors (``Compression.*``) work on the torch side of the bridge.
+    Any other object with ``compress``/``decompress`` is a user compressor
+    written for ``horovod.tensorflow``: it gets TF tensors, as with Horovod,
+    and its payload is reduced exactly.
+    """
+    if isinstance(compression, Compressor) or (
+            isinstance(compression, type) and issubclass(compression, Compressor)):
+        return None
+    as_compressor(compression)  # TypeError with the accepted forms, if neither
+    return compression
+
+
+def _float_grads(grads, xs):
+    return [g if x.dtype.is_floating or x.dtype.is_complex else None for g, x in zip(grads, xs)]
+
+
+# -- allreduce --------------------------------------------------------------------
+
+def _allreduce_dense(tensors, op, pre, post, name, compression):
+    """Allreduce a list of dense TF tensors in one fused collective, with a gradient."""
+    user = tf_side_compressor(compression)
+    if user is not None:
+        pairs = [user.compress(t) for t in tensors]
+        reduced = _allreduce_dense([p for p, _ in pairs], op, pre, post, name, Compression.exact)
+        return [user.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
+
+    def body(*xs):
+        outs = session.run(_reduce_list, [to_torch(x) for x in xs], op, pre, post, name,
+                           compression, label=name)
+        return [to_tf(o) for o in outs]
+
+    @tf.custom_gradient
+    def forward(*xs):
+        ys = run_collective(body, xs, [x.dtype for x in xs], [x.shape for x in xs], name)
+
+        def grad(*dys):
+            dys = [tf.zeros_like(x) if d is None else d for d, x in zip(dys, xs)]
+            return _float_grads(_allreduce_dense(dys, op, pre, post, name + ".grad",
+                                                 compression), xs)
+
+        return ys, grad
+
+    return list(forward(*[tf.convert_to_tensor(t) for t in tensors]))
+
+
+def _allreduce_sparse(slices: tf.IndexedSlices, op, pre, post, name):
+    """Horovod's IndexedSlices reduction: gather values and indices (no densifying)."""
+    if op not in (Average, Sum):
+        raise ValueError(f"allreduce of tf.IndexedSlices supports op Average or Sum, got {op!r}; "
+                         "pass tf.convert_to_tensor(slices) to reduce it densely")
+    values = allgather(slices.values, name=name + ".values")
+    indices = allgather(slices.indices, name=name + ".indices")
+    scale = pre * post / (runtime.size() if op is Average else 1)
+    if scale != 1.0:
+        values = values * tf.cast(scale, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+@_no_autograph
+def allreduce(tensor, average=None, device_dense="", device_sparse="",
+              compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
+              name=None, process_set=global_process_set, ignore_name_scope=False):
+    """Average (or sum, min, max, product) ``tensor`` over all ranks; returns a new tensor.
+
+    Args:
+        tensor: a ``tf.Tensor`` (same shape and dtype on every rank), a
+            variable, or ``tf.IndexedSlices`` (gathered, as Horovod does).
+        compression: ``Compression.none`` (exact), ``fp16``/``bf16``, a cgx
+            compressor such as ``Compression.quantize(bits=4)``, or a
+            Horovod-style TF compressor.
+        op: Average (default), Sum, Min, Max, Product.
+        prescale_factor, postscale_factor: multiply before / after the reduction.
+
+    Example::
+
+        avg_loss = hvd.allreduce(loss, name="loss")
+    """
+    _check_process_set(process_set)
+    op = handle_average_backwards_compatibility(op, average)
+    name = _name(name, "allreduce")
+    if isinstance(tensor, tf.IndexedSlices):
+        return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, name)
+    return _allreduce_dense([tensor], op, prescale_factor, postscale_factor, name,
+                            compression)[0]
+
+
+@_no_autograph
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
+                      compression=Compression.none, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set, name=None):
+    """Fused allreduce of a list of tensors (one collective for all); returns a list."""
+    _check_process_set(process_set)
+    op = handle_average_backwards_compatibility(op, average)
+    tensors = list(tensors)
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        raise ValueError("grouped_allreduce takes dense tensors; reduce tf.IndexedSlices with "
+                         "allreduce(), or convert them with tf.convert_to_tensor()")
+    if not tensors:
+        return []
+    return _allreduce_dense(tensors, op, prescale_factor, postscale_factor,
+                            _name(name, "grouped_allreduce"), compression)
+
+
+# -- allgather, broadcast, alltoall ---------------------------------------------------
+
+@_no_autograph
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Concatenate every rank's ``tensor`` along dim 0 (first dims may differ); returns it.
+
+    A scalar gathers into a vector of ``size()`` values.
+    """
+    _check_process_set(process_set)
+    name = _name(name, "allgather")
+    x = tf.convert_to_tensor(tensor)
+    if x.shape.rank is None:
+        shape = tf.TensorShape(None)
+    elif x.shape.rank == 0:
+        shape = tf.TensorShape([runtime.size()])
+    else:
+        shape = tf.TensorShape([None]).concatenate(x.shape[1:])
+
+    def body(a):
+        return [to_tf(session.run(_allgather_impl, to_torch(a), label=name))]
+
+    @tf.custom_gradient
+    def forward(a):
+        y = run_collective(body, [a], [a.dtype], [shape], name)[0]
+
+        def grad(dy):
+            summed = allreduce(dy, op=Sum, name=name + ".grad")
+            if a.shape.rank == 0:
+                return summed[runtime.rank()]
+            rows = tf.shape(a, out_type=tf.int64)[:1]
+            counts = allgather(rows, name=name + ".rows")
+            start = tf.reduce_sum(counts[:runtime.rank()])
+            return summed[start:start + rows[0]]
+
+        return y, grad
+
+    return forward(x)
+
+
+@_no_autograph
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
+              process_set=global_process_set):
+    """``root_rank``'s value of ``tensor`` on every rank (a new tensor).
+
+    The gradient is the sum of every rank's gradient on the root, zeros elsewhere.
+    """
+    _check_process_set(process_set)
+    _check_root(root_rank)
+    name = _name(name, "broadcast")
+    x = tf.convert_to_tensor(tensor)
+
+    def body(a):
+        t = to_torch(a)
+        return [to_tf(session.run(_broadcast_impl, t, root_rank, torch.empty_like(t),
+                                  label=name))]
+
+    @tf.custom_gradient
+    def forward(a):
+        y = run_collective(body, [a], [a.dtype], [a.shape], name)[0]
+
+        def grad(dy):
+            summed = allreduce(dy, op=Sum, name=name + ".grad")
+            return summed if runtime.rank() == root_rank else tf.zeros_like(summed)
+
+        return y, grad
+
+    return forward(x)
+
+
+@_no_autograph
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
+             process_set=global_process_set):
+    """Send slices of ``tensor`` (dim 0, by ``splits`` or equally) to every rank.
+
+    Returns:
+        The received rows; with ``splits``, also the int32 counts received per rank.
+    """
+    _check_process_set(process_set)
+    name = _name(name, "alltoall")
+    x = tf.convert_to_tensor(tensor)
+    s = None if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int64)
+    shape = tf.TensorShape(None) if x.shape.rank is None else \
+        tf.TensorShape([None]).concatenate(x.shape[1:])
+
+    def body(a, *rest):
+        sp = to_torch(rest[0]).tolist() if rest else None
+        out, received = session.run(_alltoall_impl, to_torch(a), sp, label=name)
+        return [to_tf(out), to_tf(received)]
+
+    @tf.custom_gradient
+    def forward(a, *rest):
+        y, received = run_collective(body, [a, *rest], [a.dtype, tf.int32],
+                                     [shape, tf.TensorShape([runtime.size()])], name)
+
+        def grad(dy, _unused=None):
+            back = alltoall(dy, splits=received, name=name + ".grad")[0]
+            return [back] + [None] * len(rest)
+
+        return (y, received), grad
+
+    y, received = forward(x, *([] if s is None else [s]))
+    return y if splits is None else (y, received)
+
+
+@_no_autograph
+def barrier(process_set=global_process_set) -> None:
+    """Block until every rank arrives."""
+    _check_process_set(process_set)
+
+    def body():
+        session.run(lambda: session.reducer().transport.barrier(), label="barrier")
+        return []
+
+    run_collective(body, [], [], [], "barrier")
+
+
+def _check_root(root_rank) -> None:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) \
+            or not 0 <= root_rank < runtime.size():
+        raise ValueError(f"root_rank must be a rank, an int in [0, {runtime.size()}), got "
+                         f"{root_rank!r}")
+
+
+# -- variables ----------------------------------------------------------------------
+
+@_no_autograph
+def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
+    """Assign ``root_rank``'s values to ``variables`` on every rank (one fused broadcast).
+
+    Args:
+        variables: tf or Keras variables, the same list in the same order on every rank.
+        root_rank: the rank whose values win.
+
+    Returns:
+        In a graph, the op that does it; eagerly, None (it is done).
+
+    Example::
+
+        hvd.broadcast_variables(model.variables, root_rank=0)
+    """
+    _check_process_set(process_set)
+    _check_root(root_rank)
+    variables = list(variables)
+    if not variables or runtime.size() == 1:
+        return None if tf.executing_eagerly() else tf.no_op()
+    values = [tf.convert_to_tensor(v) for v in variables]
+    from cgx.torch.functions import _broadcast_tensors
+
+    def body(*xs):
+        ts = [copy_to_torch(x) for x in xs]  # broadcast in place: into copies, never TF memory
+        session.run(_broadcast_tensors, ts, root_rank, label="broadcast_variables")
+        return [to_tf(t) for t in ts]
+
+    new = run_collective(body, values, [v.dtype for v in values], [v.shape for v in values],
+                         "broadcast_variables")
+    assigns = [v.assign(n) for v, n in zip(variables, new)]
+    if tf.executing_eagerly():
+        return None
+    return tf.group(*[a for a in assigns if isinstance(a, (tf.Tensor, tf.Operation))])
+
+
+def broadcast_object(obj=None, root_rank=0, session=None, name=None,
+                     process_set=global_process_set):
+    """``root_rank``'s ``obj`` (pickled) on every rank (eager only)."""
+    _check_process_set(process_set)
+    from cgx.torch.functions import broadcast_object as _impl
+    return _impl(obj, root_rank, name)
+
+
+def allgather_object(obj, session=None, name=None, process_set=global_process_set):
+    """Every rank's ``obj`` (pickled), as a list in rank order (eager only)."""
+    _check_process_set(process_set)
+    from cgx.torch.functions import allgather_object as _impl
+    return _impl(obj, name)
