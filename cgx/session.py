@@ -8,6 +8,7 @@ collectives identical on all ranks even while gradient buckets are in flight.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import Any, Callable, Optional
 
@@ -17,8 +18,34 @@ from cgx.collectives.engine import Engine, Handle
 from cgx.timeline import Timeline
 
 _lock = threading.Lock()
+_atexit_registered = False
 _reducer: Optional[Reducer] = None
 _owner: Any = None  # the transport the reducer was built for
+
+
+def init(config=None, *, transport=None, device=None, **_horovod_args) -> None:
+    """Join the job (every adapter's ``hvd.init()``); see :func:`cgx.runtime.init`.
+
+    Horovod's ``comm``/``process_sets`` arguments are accepted and ignored.
+    """
+    global _atexit_registered
+    runtime.init(config, transport=transport, device=device)
+    if not _atexit_registered:
+        # Registered after the runtime's own exit handler, so it runs first
+        # (atexit is last-in first-out): the engine stops before the transport.
+        atexit.register(close)
+        _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Stop the engine, write the timeline, close the transport."""
+    close()
+    runtime.shutdown()
+
+
+def stats():
+    """Totals of every reduction so far (bytes, seconds per phase): a ``ReduceStats``."""
+    return reducer().totals
 
 
 def reducer() -> Reducer:

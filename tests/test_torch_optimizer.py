@@ -165,7 +165,7 @@ def _ckpt(rank, world, path, phase):
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path + f".{rank}")
         if step >= 4:
             trace.append(torch.cat([p.detach().view(-1) for p in model.parameters()]))
-    has_residuals = bool(opt.state_dict()["cgx"]["residuals"])
+    has_residuals = bool(opt.state_dict()["cgx"]["plan"]["residuals"])
     return trace, has_residuals
 
 
@@ -253,6 +253,15 @@ def _features(rank, world):
     hvd.broadcast_parameters(model4.state_dict(), root_rank=out["last_joined"])
     out["params4"] = torch.cat([p.detach().view(-1) for p in model4.parameters()])
 
+    # float64 parameters travel exact under the default (quantizing) compression.
+    model5 = _model().double()
+    opt5 = hvd.DistributedOptimizer(torch.optim.SGD(model5.parameters(), lr=0.1),
+                                    named_parameters=model5.named_parameters())
+    x5, _ = _batch(rank, 0)
+    model5(x5.double()).square().mean().backward()
+    opt5.step()
+    out["params5"] = torch.cat([p.detach().view(-1) for p in model5.parameters()])
+
     # The optimizer pickles (no runtime-created classes) and keeps working.
     clone = pickle.loads(pickle.dumps(opt4))
     out["pickled"] = type(clone).__name__
@@ -274,6 +283,7 @@ def test_optimizer_features():
     assert torch.equal(r0["params3"], r1["params3"])
     assert torch.allclose(r0["extra_grad"], torch.full((2000,), 1.5))
     assert torch.equal(r0["params4"], r1["params4"]), "join: ranks ended with different models"
+    assert r0["params5"].dtype == torch.float64 and torch.equal(r0["params5"], r1["params5"])
 
 
 def _rules_and_modes(rank, world, rules_path):

@@ -65,6 +65,7 @@ except ModuleNotFoundError as _exc:
                                  "cgx.tensorflow (the TensorFlow/Keras adapter)") from None
 
 from cgx import runtime as _runtime
+from cgx import session as _session
 from cgx.compression import Compression
 from cgx.config import Config, Rounding
 from cgx.tensorflow._bridge import XLAUnsupportedError
@@ -74,7 +75,9 @@ from cgx.tensorflow.ops import (Adasum, Average, Max, Min, Product, ProcessSet, 
                                 broadcast, broadcast_object, broadcast_variables,
                                 global_process_set, grouped_allreduce)
 # One init/shutdown for both adapters: the same runtime, the same engine thread.
-from cgx.torch import init, shutdown, stats
+init = _session.init
+shutdown = _session.shutdown
+stats = _session.stats
 
 size = _runtime.size
 rank = _runtime.rank

@@ -7,7 +7,7 @@ or a direct call when eager)::
         --session.run(GradientPlan.reduce)--> reduced in place on the engine thread
         --DLPack, no copy--> TF tensors
 
-The :class:`~cgx.tensorflow.grad_plan.GradientPlan` decides per gradient, by
+The :class:`~cgx.grad_plan.GradientPlan` decides per gradient, by
 variable name and shape, whether it travels quantized (``CGX_*`` settings and
 layer rules, as ``cgx.torch.DistributedOptimizer`` does) or exact. All
 gradients of one call are reduced in one fused collective; ``None``
@@ -28,9 +28,9 @@ from cgx import runtime
 from cgx import session
 from cgx.compression import Compression
 from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf
-from cgx.tensorflow.grad_plan import GradientPlan, unique_names
-from cgx.tensorflow.ops import (Average, Sum, _check_process_set, global_process_set,
-                                tf_side_compressor)
+from cgx.grad_plan import GradientPlan, unique_names
+from cgx.collectives.functional import Average, Sum, check_process_set, global_process_set
+from cgx.tensorflow.ops import tf_side_compressor
 
 _labels = itertools.count()
 
@@ -67,7 +67,7 @@ class GradientExchange:
     """Reduces lists of TF gradients; one :class:`GradientPlan` per variable set.
 
     Args:
-        compression: see :mod:`cgx.tensorflow.grad_plan` (a Horovod-style TF
+        compression: see :mod:`cgx.grad_plan` (a Horovod-style TF
             compressor is applied on the TF side, its payloads reduced exactly).
         op: Average or Sum.
         gradient_predivide_factor: as in Horovod.
@@ -229,7 +229,7 @@ class DistributedGradientTape:
             raise ValueError("this tape is already a DistributedGradientTape; wrap it once")
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError(f"gradtape must be a tf.GradientTape, got {type(gradtape).__name__}")
-        _check_process_set(process_set)
+        check_process_set(process_set)
         check_gradient_args(op, gradient_predivide_factor, "DistributedGradientTape")
         self._tape = gradtape
         self._names = _named(named_variables)

@@ -28,12 +28,12 @@ from cgx import runtime
 from cgx import session
 from cgx.compression import Compression, Compressor, as_compressor
 from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf, to_torch
-# The torch-level bodies of the collectives (framework-free apart from torch):
-# shared with cgx.torch so that one implementation serves both adapters.
-from cgx.torch.ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,  # noqa: F401
-                           _allgather_impl, _alltoall_impl, _broadcast_impl, _check_process_set,
-                           _name, _reduce_list, global_process_set,
-                           handle_average_backwards_compatibility)
+# The torch-level bodies of the collectives, written once in the core for both adapters.
+from cgx.collectives.functional import (  # noqa: F401 - Horovod's op names, re-exported
+    Adasum, Average, Max, Min, Product, ProcessSet, Sum, allgather_rows, alltoall_rows,
+    broadcast_tensor, broadcast_tensors, check_process_set, global_process_set, op_name,
+    reduce_tensors, resolve_op)
+from cgx.collectives import functional as _functional
 
 
 # Autograph would rewrite these Python bodies when they are called inside a
@@ -71,7 +71,7 @@ def _allreduce_dense(tensors, op, pre, post, name, compression):
         return [user.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
     def body(*xs):
-        outs = session.run(_reduce_list, [to_torch(x) for x in xs], op, pre, post, name,
+        outs = session.run(reduce_tensors, [to_torch(x) for x in xs], op, pre, post, name,
                            compression, label=name)
         return [to_tf(o) for o in outs]
 
@@ -121,9 +121,9 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
 
         avg_loss = hvd.allreduce(loss, name="loss")
     """
-    _check_process_set(process_set)
-    op = handle_average_backwards_compatibility(op, average)
-    name = _name(name, "allreduce")
+    check_process_set(process_set)
+    op = resolve_op(op, average)
+    name = op_name(name, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, name)
     return _allreduce_dense([tensor], op, prescale_factor, postscale_factor, name,
@@ -135,8 +135,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set, name=None):
     """Fused allreduce of a list of tensors (one collective for all); returns a list."""
-    _check_process_set(process_set)
-    op = handle_average_backwards_compatibility(op, average)
+    check_process_set(process_set)
+    op = resolve_op(op, average)
     tensors = list(tensors)
     if any(isinstance(t, tf.IndexedSlices) for t in tensors):
         raise ValueError("grouped_allreduce takes dense tensors; reduce tf.IndexedSlices with "
@@ -144,7 +144,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     if not tensors:
         return []
     return _allreduce_dense(tensors, op, prescale_factor, postscale_factor,
-                            _name(name, "grouped_allreduce"), compression)
+                            op_name(name, "grouped_allreduce"), compression)
 
 
 # -- allgather, broadcast, alltoall ---------------------------------------------------
@@ -155,8 +155,8 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
     A scalar gathers into a vector of ``size()`` values.
     """
-    _check_process_set(process_set)
-    name = _name(name, "allgather")
+    check_process_set(process_set)
+    name = op_name(name, "allgather")
     x = tf.convert_to_tensor(tensor)
     if x.shape.rank is None:
         shape = tf.TensorShape(None)
@@ -166,7 +166,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
         shape = tf.TensorShape([None]).concatenate(x.shape[1:])
 
     def body(a):
-        return [to_tf(session.run(_allgather_impl, to_torch(a), label=name))]
+        return [to_tf(session.run(allgather_rows, to_torch(a), label=name))]
 
     @tf.custom_gradient
     def forward(a):
@@ -193,14 +193,14 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
 
     The gradient is the sum of every rank's gradient on the root, zeros elsewhere.
     """
-    _check_process_set(process_set)
+    check_process_set(process_set)
     _check_root(root_rank)
-    name = _name(name, "broadcast")
+    name = op_name(name, "broadcast")
     x = tf.convert_to_tensor(tensor)
 
     def body(a):
         t = to_torch(a)
-        return [to_tf(session.run(_broadcast_impl, t, root_rank, torch.empty_like(t),
+        return [to_tf(session.run(broadcast_tensor, t, root_rank, torch.empty_like(t),
                                   label=name))]
 
     @tf.custom_gradient
@@ -224,8 +224,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     Returns:
         The received rows; with ``splits``, also the int32 counts received per rank.
     """
-    _check_process_set(process_set)
-    name = _name(name, "alltoall")
+    check_process_set(process_set)
+    name = op_name(name, "alltoall")
     x = tf.convert_to_tensor(tensor)
     s = None if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int64)
     shape = tf.TensorShape(None) if x.shape.rank is None else \
@@ -233,7 +233,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 
     def body(a, *rest):
         sp = to_torch(rest[0]).tolist() if rest else None
-        out, received = session.run(_alltoall_impl, to_torch(a), sp, label=name)
+        out, received = session.run(alltoall_rows, to_torch(a), sp, label=name)
         return [to_tf(out), to_tf(received)]
 
     @tf.custom_gradient
@@ -254,7 +254,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 @_no_autograph
 def barrier(process_set=global_process_set) -> None:
     """Block until every rank arrives."""
-    _check_process_set(process_set)
+    check_process_set(process_set)
 
     def body():
         session.run(lambda: session.reducer().transport.barrier(), label="barrier")
@@ -287,17 +287,15 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 
         hvd.broadcast_variables(model.variables, root_rank=0)
     """
-    _check_process_set(process_set)
+    check_process_set(process_set)
     _check_root(root_rank)
     variables = list(variables)
     if not variables or runtime.size() == 1:
         return None if tf.executing_eagerly() else tf.no_op()
     values = [tf.convert_to_tensor(v) for v in variables]
-    from cgx.torch.functions import _broadcast_tensors
-
     def body(*xs):
         ts = [copy_to_torch(x) for x in xs]  # broadcast in place: into copies, never TF memory
-        session.run(_broadcast_tensors, ts, root_rank, label="broadcast_variables")
+        session.run(broadcast_tensors, ts, root_rank, label="broadcast_variables")
         return [to_tf(t) for t in ts]
 
     new = run_collective(body, values, [v.dtype for v in values], [v.shape for v in values],
@@ -311,13 +309,11 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 def broadcast_object(obj=None, root_rank=0, session=None, name=None,
                      process_set=global_process_set):
     """``root_rank``'s ``obj`` (pickled) on every rank (eager only)."""
-    _check_process_set(process_set)
-    from cgx.torch.functions import broadcast_object as _impl
-    return _impl(obj, root_rank, name)
+    check_process_set(process_set)
+    return _functional.broadcast_object(obj, root_rank, name)
 
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Every rank's ``obj`` (pickled), as a list in rank order (eager only)."""
-    _check_process_set(process_set)
-    from cgx.torch.functions import allgather_object as _impl
-    return _impl(obj, name)
+    check_process_set(process_set)
+    return _functional.allgather_object(obj, name)

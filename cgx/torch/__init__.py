@@ -16,22 +16,19 @@ Gradients travel quantized (4 bits, bucket 1024 by default; see the
 
 from __future__ import annotations
 
-import atexit
-
 from cgx import runtime as _runtime
 from cgx.compression import Compression
 from cgx.config import Config, Rounding
 from cgx import session as _session
+from cgx.collectives.functional import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
+                                        allgather_object, broadcast_object, global_process_set)
 from cgx.torch.ddp import CGXState, cgx_hook
-from cgx.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
-                                 broadcast_parameters)
-from cgx.torch.ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum, allgather,
-                           allgather_async, allreduce, allreduce_, allreduce_async,
+from cgx.torch.functions import broadcast_optimizer_state, broadcast_parameters
+from cgx.torch.ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
                            allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
-                           broadcast_, broadcast_async, broadcast_async_, global_process_set,
-                           grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                           grouped_allreduce_async_, join, poll, reducescatter,
-                           reducescatter_async, synchronize)
+                           broadcast_, broadcast_async, broadcast_async_, grouped_allreduce,
+                           grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+                           join, poll, reducescatter, reducescatter_async, synchronize)
 from cgx.torch.optimizer import DistributedOptimizer
 
 size = _runtime.size
@@ -41,36 +38,15 @@ local_size = _runtime.local_size
 cross_rank = _runtime.cross_rank
 cross_size = _runtime.cross_size
 is_initialized = _runtime.is_initialized
-_atexit_registered = False
 
 
-def init(config=None, *, transport=None, device=None, **_ignored) -> None:
-    """Join the job (``hvd.init()``); see :func:`cgx.runtime.init` for the arguments.
-
-    Horovod's ``comm``/``process_sets`` arguments are accepted and ignored.
-    """
-    global _atexit_registered
-    _runtime.init(config, transport=transport, device=device)
-    if not _atexit_registered:
-        # Registered after the runtime's own exit handler, so it runs first
-        # (atexit is last-in first-out): the engine stops before the transport.
-        atexit.register(_session.close)
-        _atexit_registered = True
-
-
-def shutdown() -> None:
-    """Stop the engine, write the timeline, close the transport."""
-    _session.close()
-    _runtime.shutdown()
+init = _session.init
+shutdown = _session.shutdown
+stats = _session.stats
 
 
 def mpi_threads_supported() -> bool:
     return False
-
-
-def stats():
-    """Totals of every reduction so far (bytes, seconds per phase): a ``ReduceStats``."""
-    return _session.reducer().totals
 
 
 __all__ = [

@@ -2,29 +2,11 @@
 
 from __future__ import annotations
 
-import collections
-from typing import Any
-
 import torch
 
 from cgx import runtime
 from cgx import session
-
-
-def _broadcast_tensors(tensors: list, root_rank: int) -> None:
-    """In-place broadcast of many tensors, fused into one buffer per dtype and device."""
-    tr = session.reducer().transport
-    if not 0 <= root_rank < tr.size:
-        raise ValueError(f"root_rank={root_rank} is not a rank (world size {tr.size})")
-    groups = collections.defaultdict(list)
-    for t in tensors:
-        groups[(t.dtype, t.device)].append(t)
-    for (_dtype, device), group in groups.items():
-        flat = torch.cat([t.detach().reshape(-1).to(tr.device) for t in group])
-        tr.broadcast(flat, root_rank)
-        for t, part in zip(group, flat.split([t.numel() for t in group])):
-            with torch.no_grad():
-                t.copy_(part.view_as(t).to(device))
+from cgx.collectives.functional import broadcast_object, broadcast_tensors
 
 
 def broadcast_parameters(params, root_rank: int) -> None:
@@ -48,23 +30,7 @@ def broadcast_parameters(params, root_rank: int) -> None:
                              "e.g. model.state_dict() or model.named_parameters()")
     tensors = [t for _, t in items if isinstance(t, torch.Tensor)]
     if runtime.size() > 1 and tensors:
-        session.run(_broadcast_tensors, tensors, root_rank, label="broadcast_parameters")
-
-
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: str = None) -> Any:
-    """``root_rank``'s ``obj`` (pickled) on every rank."""
-    if runtime.size() == 1:
-        return obj
-    return session.run(lambda: session.reducer().transport.broadcast_object(obj, root_rank),
-                       label=name or "broadcast_object")
-
-
-def allgather_object(obj: Any, name: str = None) -> list:
-    """Every rank's ``obj`` (pickled), as a list in rank order."""
-    if runtime.size() == 1:
-        return [obj]
-    return session.run(lambda: session.reducer().transport.allgather_object(obj),
-                       label=name or "allgather_object")
+        session.run(broadcast_tensors, tensors, root_rank, label="broadcast_parameters")
 
 
 def _split_tensors(tree, out: list):
@@ -108,7 +74,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int) -> None:
         tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device=device)
                    for _, _, shape, dtype, device in _placeholders(structure)]
     if tensors:
-        session.run(_broadcast_tensors, tensors, root_rank, label="broadcast_optimizer_state")
+        session.run(broadcast_tensors, tensors, root_rank, label="broadcast_optimizer_state")
     optimizer.load_state_dict(_join_tensors(structure, tensors))
 
 

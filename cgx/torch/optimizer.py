@@ -27,7 +27,6 @@ turns it off), with per-layer rules from ``rules=`` or
 from __future__ import annotations
 
 import contextlib
-import enum
 import threading
 import time
 import warnings
@@ -38,24 +37,14 @@ import torch
 
 from cgx import runtime
 from cgx.comm.base import ReduceOp
-from cgx.compression import (Compression, CompressorKind, ErrorFeedback, ExactCompressor,
-                             QuantizeCompressor, as_compressor)
+from cgx.compression import Compression, as_compressor
 from cgx.errors import CGXError
-from cgx.rules import LayerRules
+from cgx.grad_plan import GradientPlan, GradMode  # noqa: F401 - GradMode: part of the API
 from cgx import session
-from cgx.torch.ops import Average, Sum, _check_process_set, global_process_set
+from cgx.collectives.functional import Average, Sum, check_process_set, global_process_set
 
 STATE_FORMAT = 1
 FIRST_BUCKET_BYTES = 1 << 20  # small first bucket: its reduction starts early in backward
-
-
-class GradMode(enum.Enum):
-    """How the gradients of this optimizer travel."""
-
-    EXACT = "exact"  # plain fused allreduce
-    QUANTIZE = "quantize"  # fused compressed allreduce (SRA/ring/allgather), per-layer specs
-    SUMMABLE = "summable"  # cast payloads (fp16, bf16, Horovod-style), fused plain allreduce
-    PER_TENSOR = "per_tensor"  # top-k, PowerSGD: the compressor's own reduction per tensor
 
 
 _registry: "weakref.WeakValueDictionary[int, DistributedOptimizer]" = weakref.WeakValueDictionary()
@@ -99,7 +88,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             f"{type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("this optimizer is already a DistributedOptimizer; wrap it once")
-        _check_process_set(process_set)
+        check_process_set(process_set)
         if isinstance(backward_passes_per_step, bool) or not isinstance(
                 backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
@@ -129,7 +118,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._compression = as_compressor(compression)
         self._rules_source = rules
         self._step_count = 0  # part of the state: feeds the stochastic-rounding key
-        self._residuals: dict[str, torch.Tensor] = {}
         self._registry_id = next(_registry_ids)
         self._setup()
 
@@ -177,39 +165,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if cfg is None:
             raise CGXError("DistributedOptimizer needs cgx.torch.init() to be called first")
         self._config = cfg
-        comp = self._compression
-        inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
-        base = cfg
-        self._error_feedback = False
-        if isinstance(comp, ExactCompressor):
-            self._mode = GradMode.EXACT
-        elif comp.kind is CompressorKind.NONE:
-            self._mode = GradMode.QUANTIZE if cfg.quantization_enabled else GradMode.EXACT
-            self._error_feedback = cfg.error_feedback
-        elif isinstance(inner, QuantizeCompressor):
-            self._mode = GradMode.QUANTIZE
-            base = cfg.replace(bits=inner.bits, bucket_size=inner.bucket_size,
-                               rounding=inner.rounding)
-            self._error_feedback = isinstance(comp, ErrorFeedback)
-        elif comp.summable:
-            self._mode = GradMode.SUMMABLE
-        else:
-            self._mode = GradMode.PER_TENSOR
-        self._rules = LayerRules.from_config(base, self._rules_source)
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         for p in params:
             if id(p) not in self._names:
                 self._names[id(p)] = f"allreduce.noname.{len(self._names)}"
         self._params = params
         self._index = {id(p): i for i, p in enumerate(params)}
+        # The plan maps `compression` to a mode, per-layer specs and residuals
+        # (shared with the TensorFlow adapter); its state survives a rebuild.
+        old_plan = getattr(self, "_plan", None)
+        self._plan = GradientPlan([self._names[id(p)] for p in params],
+                                  [tuple(p.shape) for p in params], self._compression,
+                                  op=self._op, predivide=self._predivide,
+                                  rules=self._rules_source, config=cfg)
+        if old_plan is not None:
+            self._plan.load_state_dict(old_plan.state_dict())
         self._buckets = self._make_buckets(params, cfg.fusion_buffer_bytes)
         self._bucket_of = {}
         for b, idx in enumerate(self._buckets):
             for i in idx:
                 self._bucket_of[i] = b
-        self._specs = [self._rules.spec_for(self._names[id(p)], tuple(p.shape))
-                       if self._mode in (GradMode.QUANTIZE, GradMode.PER_TENSOR) else None
-                       for p in params]
         self._lock = threading.Lock()
         self._reset_step_state()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -306,67 +281,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.timing["start"].append(time.perf_counter())
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
-        red = session.reducer()
-        idx = self._buckets[b]
-        work = [g if g.is_contiguous() else g.contiguous() for g in grads]
-        work = [w if w.device == red.transport.device else w.to(red.transport.device)
-                for w in work]
-        pre = 1.0 / self._predivide
-        post = self._predivide
-        name = f"opt{self._registry_id}.bucket{b}"
-        if self._mode in (GradMode.EXACT, GradMode.QUANTIZE):
-            specs = [self._specs[i] if self._mode is GradMode.QUANTIZE else None for i in idx]
-            specs = [s if s is not None and w.is_floating_point() else None
-                     for s, w in zip(specs, work)]
-            residuals = None
-            if self._error_feedback and not shadow:
-                residuals = [self._residual(i, w) if s is not None else None
-                             for i, s, w in zip(idx, specs, work)]
-            red.allreduce(work, specs, op=self._op, prescale_factor=pre, postscale_factor=post,
-                          name=name, residuals=residuals, step=self._step_count)
-        elif self._mode is GradMode.SUMMABLE:
-            comp = self._compression
-            pairs = [comp.compress_for_reduction(w.mul_(pre) if pre != 1.0 else w,
-                                                 red.transport, self._names[id(self._params[i])])
-                     for i, w in zip(idx, work)]
-            payloads = [p for p, _ in pairs]
-            red.allreduce(payloads, None, op=ReduceOp.SUM, name=name)
-            scale = post / red.transport.size if self._op is Average else post
-            for w, (pl, ctx) in zip(work, pairs):
-                w.copy_(comp.decompress(pl, ctx).view_as(w))
-                if scale != 1.0:
-                    w.mul_(scale)
-        else:
-            plain = [k for k, i in enumerate(idx) if self._specs[i] is None]
-            if plain:
-                red.allreduce([work[k] for k in plain], None, op=self._op, name=name,
-                              prescale_factor=pre, postscale_factor=post)
-            for k, i in enumerate(idx):
-                if self._specs[i] is not None:
-                    w = work[k].mul_(pre) if pre != 1.0 else work[k]
-                    out = self._compression.allreduce(w, red.transport,
-                                                      self._names[id(self._params[i])], self._op)
-                    w.copy_(out.view_as(w))
-                    if post != 1.0:
-                        w.mul_(post)
-        for g, w in zip(grads, work):
-            if w is not g:
-                g.copy_(w.view_as(g))
+        outs = self._plan.reduce(grads, name=f"opt{self._registry_id}.bucket{b}",
+                                 step=self._step_count, indices=self._buckets[b], shadow=shadow)
+        for g, o in zip(grads, outs):
+            if o is not g:
+                g.copy_(o.view_as(g))
         self.timing["end"].append(time.perf_counter())
-
-    def _residual(self, i: int, w: torch.Tensor) -> torch.Tensor:
-        name = self._names[id(self._params[i])]
-        e = self._residuals.get(name)
-        if e is None or e.numel() != w.numel() or e.device != w.device:
-            e = torch.zeros(w.numel(), dtype=torch.float32, device=w.device)
-            self._residuals[name] = e
-        return e
 
     # -- the public optimizer API -------------------------------------------------------
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self._optimizer
+
+    @property
+    def _mode(self) -> GradMode:
+        return self._plan.mode
+
+    @property
+    def _specs(self) -> list:
+        return self._plan.specs
 
     def synchronize(self) -> None:
         """Finish the gradient exchange of this step: afterwards ``p.grad`` holds the average.
@@ -430,12 +364,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The wrapped optimizer's state plus cgx's (residuals, compressor state, step count)."""
         sd = self._optimizer.state_dict()
-        sd["cgx"] = {
-            "format": STATE_FORMAT,
-            "step": self._step_count,
-            "residuals": {k: v.detach().clone() for k, v in self._residuals.items()},
-            "compression": self._compression.state_dict(),
-        }
+        sd["cgx"] = {"format": STATE_FORMAT, "step": self._step_count,
+                     "plan": self._plan.state_dict()}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -448,16 +378,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"checkpoint cgx state has format {extra.get('format')}, this cgx "
                              f"reads {STATE_FORMAT}")
         self._step_count = int(extra["step"])
-        self._residuals = {k: v.detach().clone() for k, v in extra["residuals"].items()}
-        self._compression.load_state_dict(extra["compression"])
+        self._plan.load_state_dict(extra["plan"])
 
     # -- pickling: runtime objects (hooks, locks, handles) are rebuilt ----------------
 
     def __getstate__(self) -> dict:
         keep = ("_optimizer", "_bpps", "_op", "_predivide", "_num_groups", "_sparse_as_dense",
-                "_names_by_order", "_user_groups", "_compression", "_rules_source",
-                "_step_count", "_residuals")
+                "_user_groups", "_compression", "_rules_source", "_step_count")
         state = {k: self.__dict__[k] for k in keep if k in self.__dict__}
+        state["_plan_state"] = self._plan.state_dict()
         params = [p for g in self._optimizer.param_groups for p in g["params"]]
         state["_names_by_order"] = [self._names.get(id(p)) for p in params]
         state["_user_groups"] = None if self._user_groups is None else [
@@ -475,11 +404,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._user_groups is not None:
             self._user_groups = [[params[i] for i in g] for g in self._user_groups]
         self._registry_id = next(_registry_ids)
+        plan_state = self.__dict__.pop("_plan_state")
         if runtime.is_initialized():
             self._setup()
+            self._plan.load_state_dict(plan_state)
 
     def __repr__(self) -> str:
-        return (f"DistributedOptimizer({type(self._optimizer).__name__}, mode={self._mode.value}, "
+        return (f"DistributedOptimizer({type(self._optimizer).__name__}, "
+                f"mode={self._plan.mode.value}, "
                 f"buckets={len(self._buckets)}, compression={self._compression!r})")
 
     # -- join: shadow steps for ranks that ran out of data --------------------------------

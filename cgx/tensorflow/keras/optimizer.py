@@ -25,7 +25,8 @@ from cgx.comm.base import ReduceOp
 from cgx.compression import Compression
 from cgx.tensorflow.gradients import GradientExchange, check_gradient_args
 from cgx.tensorflow.keras._serialization import compression_from_config, compression_to_config
-from cgx.tensorflow.ops import Average, _check_process_set, global_process_set, tf_side_compressor
+from cgx.collectives.functional import Average, check_process_set, global_process_set
+from cgx.tensorflow.ops import tf_side_compressor
 
 
 @keras.saving.register_keras_serializable(package="cgx")
@@ -72,7 +73,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             raise TypeError(f"optimizer must be a Keras 3 optimizer (keras.optimizers.*), got "
                             f"{type(optimizer).__module__}.{type(optimizer).__name__}; tf_keras "
                             "(legacy Keras 2) optimizers are not supported")
-        _check_process_set(process_set)
+        check_process_set(process_set)
         check_gradient_args(op, gradient_predivide_factor, "DistributedOptimizer")
         if isinstance(backward_passes_per_step, bool) or not isinstance(
                 backward_passes_per_step, int) or backward_passes_per_step < 1:

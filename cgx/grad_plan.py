@@ -1,10 +1,10 @@
 """How a list of gradients travels: the compression mode, per-tensor specs, residuals.
 
-Framework-free (torch tensors and the cgx core only, no TensorFlow): the
-TensorFlow adapter hands its gradients over as torch tensors and runs
-:meth:`GradientPlan.reduce` on the engine thread. The mapping from a
-``compression=`` argument to a mode is the one ``cgx.torch.DistributedOptimizer``
-applies (same :class:`~cgx.torch.optimizer.GradMode` values):
+Framework-free (torch tensors and the cgx core only): both adapters'
+optimizers (``cgx.torch.DistributedOptimizer``, the Keras ``DistributedOptimizer``
+and ``DistributedGradientTape``) hand their gradients over as torch tensors and
+run :meth:`GradientPlan.reduce` on the engine thread. A ``compression=``
+argument maps to a :class:`GradMode`:
 
 =====================================  ==========  ====================================
 ``compression=``                       mode        what travels
@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Optional, Sequence
 
@@ -45,9 +46,17 @@ from cgx.compression import (Compression, CompressorKind, ErrorFeedback, ExactCo
 from cgx.compression.quantization import FLOAT_DTYPES
 from cgx.config import Config
 from cgx.rules import LayerRules
-from cgx.torch.optimizer import GradMode
 
 STATE_FORMAT = 1
+
+
+class GradMode(enum.Enum):
+    """How a list of gradients travels."""
+
+    EXACT = "exact"  # plain fused allreduce
+    QUANTIZE = "quantize"  # fused compressed allreduce (SRA/ring/allgather), per-layer specs
+    SUMMABLE = "summable"  # cast payloads (fp16, bf16, Horovod-style), fused plain allreduce
+    PER_TENSOR = "per_tensor"  # top-k, PowerSGD: the compressor's own reduction per tensor
 
 
 def unique_names(names: Sequence[Optional[str]], prefix: str) -> list[str]:

@@ -1,0 +1,231 @@
+"""The collective operations behind both adapters' Horovod-style APIs, on torch tensors.
+
+``cgx.torch`` and ``cgx.tensorflow`` expose Horovod's functions
+(``allreduce``, ``allgather``, ``broadcast``, ``alltoall``, ...); the work
+itself is written once here, on torch tensors, and runs on the shared engine
+thread (``cgx.session``): the adapters only convert tensors, add autograd,
+and choose between synchronous and asynchronous calls.
+
+Also here: Horovod's reduction-op names and argument rules, and the (only)
+process set cgx supports.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any
+
+import torch
+
+from cgx import runtime, session
+from cgx.comm.base import ReduceOp
+from cgx.compression import CompressorKind, as_compressor
+from cgx.compression.quantization import FLOAT_DTYPES, QuantSpec
+
+Average, Sum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX,
+                                   ReduceOp.PRODUCT)
+
+
+class Adasum:
+    """Placeholder so that ``op=hvd.Adasum`` fails with a clear message."""
+
+
+class ProcessSet:
+    """The global process set (the only one cgx supports)."""
+
+    def size(self) -> int:
+        return runtime.size()
+
+    def rank(self) -> int:
+        return runtime.rank()
+
+    def included(self) -> bool:
+        return True
+
+
+global_process_set = ProcessSet()
+_names = itertools.count()
+
+
+def check_process_set(process_set) -> None:
+    """Accept None or the global process set; anything else is a clear error."""
+    if process_set is not None and process_set is not global_process_set:
+        raise ValueError("cgx supports only the global process set; drop the process_set "
+                         "argument (or pass global_process_set)")
+
+
+def resolve_op(op, average) -> ReduceOp:
+    """Horovod's rule: ``average`` (deprecated) and ``op`` are exclusive; default Average."""
+    if op is not None and average is not None:
+        raise ValueError("op and average cannot both be given; use op= (average is deprecated)")
+    if op is Adasum or op is not None and getattr(op, "__name__", "") == "Adasum":
+        raise ValueError("op=Adasum is not supported by cgx; use Average or Sum")
+    if op is None:
+        return ReduceOp.AVERAGE if average is None or average else ReduceOp.SUM
+    if not isinstance(op, ReduceOp):
+        raise ValueError(f"op must be one of Average, Sum, Min, Max, Product; got {op!r}")
+    return op
+
+
+def op_name(name, kind: str) -> str:
+    """``name``, or an auto-generated ``<kind>.noname.<n>`` (the same sequence on every rank)."""
+    return name if name is not None else f"{kind}.noname.{next(_names)}"
+
+
+def _on_transport(t: torch.Tensor) -> torch.Tensor:
+    dev = session.reducer().transport.device
+    return t if t.device == dev else t.to(dev)
+
+
+# -- reductions -------------------------------------------------------------------
+
+def reduce_tensors(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: float,
+                   name: str, compression) -> list[torch.Tensor]:
+    """Reduce copies of ``tensors`` over the world and return them (engine thread).
+
+    ``compression``: None or ``Compression.none`` (exact), a cast (summable
+    payloads, one plain allreduce), quantization (the fused SRA path; float64
+    travels exact), or top-k/PowerSGD (their own reduction, per tensor).
+    """
+    red = session.reducer()
+    outs = [_on_transport(t.detach()).clone().contiguous() for t in tensors]
+    comp = None if compression is None else as_compressor(compression)
+    if comp is None or comp.kind is CompressorKind.NONE:
+        red.allreduce(outs, None, op=op, prescale_factor=pre, postscale_factor=post, name=name)
+    elif comp.kind is CompressorKind.QUANTIZE and op in (ReduceOp.SUM, ReduceOp.AVERAGE) \
+            and hasattr(comp, "bits"):
+        spec = QuantSpec(comp.bits, comp.bucket_size, comp.rounding)
+        specs = [spec if t.dtype in FLOAT_DTYPES and t.numel() > 0 else None for t in outs]
+        red.allreduce(outs, specs, op=op, prescale_factor=pre, postscale_factor=post, name=name)
+    elif comp.summable:
+        payloads, ctxs = zip(*(comp.compress_for_reduction(t.mul_(pre) if pre != 1 else t,
+                                                           red.transport, name) for t in outs))
+        engine_op = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
+        red.allreduce(list(payloads), None, op=engine_op, name=name)
+        outs = [comp.decompress(p, c) for p, c in zip(payloads, ctxs)]
+        scale = post / red.transport.size if op is ReduceOp.AVERAGE else post
+        outs = [o.mul_(scale) if scale != 1.0 else o for o in outs]
+    else:
+        outs = [comp.allreduce(t.mul_(pre) if pre != 1 else t, red.transport, f"{name}.{i}", op)
+                for i, t in enumerate(outs)]
+        outs = [o.mul_(post) if post != 1.0 else o for o in outs]
+    return [o.to(t.device) if o.device != t.device else o for o, t in zip(outs, tensors)]
+
+
+# -- allgather, broadcast, alltoall, reducescatter ---------------------------------
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8) if t.numel() else \
+        torch.empty(0, dtype=torch.uint8, device=t.device)
+
+
+def allgather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    tr = session.reducer().transport
+    t = _on_transport(tensor.detach()).contiguous()
+    rows = torch.tensor([t.shape[0] if t.dim() else 1], dtype=torch.int64, device=tr.device)
+    all_rows = torch.empty(tr.size, dtype=torch.int64, device=tr.device)
+    tr.allgather(all_rows.view(torch.uint8), rows.view(torch.uint8))
+    all_rows = all_rows.tolist()
+    row_bytes = t[0].numel() * t.element_size() if t.dim() and t.shape[0] else \
+        (t.numel() * t.element_size() if not t.dim() else 0)
+    if t.dim() and t.shape[0] == 0:
+        row_bytes = int(torch.tensor(t.shape[1:]).prod().item()) * t.element_size() \
+            if t.dim() > 1 else t.element_size()
+    width = max(all_rows) * row_bytes
+    send = torch.zeros(width, dtype=torch.uint8, device=tr.device)
+    send[: t.numel() * t.element_size()] = _bytes(t)
+    recv = torch.empty(width * tr.size, dtype=torch.uint8, device=tr.device)
+    tr.allgather(recv, send)
+    parts = [recv[r * width: r * width + n * row_bytes] for r, n in enumerate(all_rows)]
+    flat = torch.cat(parts).view(t.dtype)
+    shape = (sum(all_rows),) + tuple(t.shape[1:]) if t.dim() else (tr.size,)
+    return flat.view(shape).to(tensor.device)
+
+
+def broadcast_tensor(tensor: torch.Tensor, root_rank: int, out: torch.Tensor) -> torch.Tensor:
+    tr = session.reducer().transport
+    if not 0 <= root_rank < tr.size:
+        raise ValueError(f"root_rank={root_rank} is not a rank (world size {tr.size})")
+    buf = _on_transport(tensor.detach()).clone().contiguous()
+    tr.broadcast(buf, root_rank)
+    out.copy_(buf.view_as(out))
+    return out
+
+
+def alltoall_rows(tensor: torch.Tensor, splits) -> tuple:
+    tr = session.reducer().transport
+    t = _on_transport(tensor.detach()).contiguous()
+    W = tr.size
+    rows = t.shape[0] if t.dim() else 0
+    if splits is None:
+        if rows % W:
+            raise ValueError(f"alltoall without splits needs the first dimension ({rows}) to be "
+                             f"divisible by the number of ranks ({W}); pass splits=")
+        send_splits = torch.full((W,), rows // W, dtype=torch.int64)
+    else:
+        send_splits = torch.as_tensor(splits, dtype=torch.int64).cpu().view(-1)
+        if send_splits.numel() != W or (send_splits < 0).any() or int(send_splits.sum()) != rows:
+            raise ValueError(f"splits must hold {W} non-negative counts summing to the first "
+                             f"dimension ({rows}); got {send_splits.tolist()}")
+    recv_splits = torch.empty(W, dtype=torch.int64, device=tr.device)
+    tr.alltoall(recv_splits.view(torch.uint8), send_splits.to(tr.device).view(torch.uint8))
+    row_bytes = (t[0].numel() if rows else int(torch.tensor(t.shape[1:]).prod().item())) \
+        * t.element_size()
+    most = torch.tensor([int(send_splits.max())], dtype=torch.int64, device=tr.device)
+    tr.allreduce(most, ReduceOp.MAX)
+    width = int(most.item()) * row_bytes
+    send = torch.zeros(W * width, dtype=torch.uint8, device=tr.device)
+    src, off = _bytes(t), 0
+    for j, n in enumerate(send_splits.tolist()):
+        send[j * width: j * width + n * row_bytes] = src[off: off + n * row_bytes]
+        off += n * row_bytes
+    recv = torch.empty(W * width, dtype=torch.uint8, device=tr.device)
+    tr.alltoall(recv, send)
+    rs = recv_splits.cpu().tolist()
+    out = torch.cat([recv[j * width: j * width + n * row_bytes] for j, n in enumerate(rs)])
+    out = out.view(t.dtype).view((sum(rs),) + tuple(t.shape[1:])).to(tensor.device)
+    return out, torch.tensor(rs, dtype=torch.int32)
+
+
+def reducescatter_rows(tensor, op, pre, post, name, compression):
+    full = reduce_tensors([tensor], op, pre, post, name, compression)[0]
+    W, r = runtime.size(), runtime.rank()
+    rows = full.shape[0]
+    base, extra = divmod(rows, W)
+    start = r * base + min(r, extra)
+    return full[start: start + base + (1 if r < extra else 0)].clone()
+
+
+def broadcast_tensors(tensors: list, root_rank: int) -> None:
+    """In-place broadcast of many tensors, fused into one buffer per dtype and device."""
+    tr = session.reducer().transport
+    if not 0 <= root_rank < tr.size:
+        raise ValueError(f"root_rank={root_rank} is not a rank (world size {tr.size})")
+    groups = collections.defaultdict(list)
+    for t in tensors:
+        groups[(t.dtype, t.device)].append(t)
+    for (_dtype, device), group in groups.items():
+        flat = torch.cat([t.detach().reshape(-1).to(tr.device) for t in group])
+        tr.broadcast(flat, root_rank)
+        for t, part in zip(group, flat.split([t.numel() for t in group])):
+            with torch.no_grad():
+                t.copy_(part.view_as(t).to(device))
+
+
+# -- Python objects ----------------------------------------------------------------
+
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str = None) -> Any:
+    """``root_rank``'s ``obj`` (pickled) on every rank."""
+    if runtime.size() == 1:
+        return obj
+    return session.run(lambda: session.reducer().transport.broadcast_object(obj, root_rank),
+                       label=name or "broadcast_object")
+
+
+def allgather_object(obj: Any, name: str = None) -> list:
+    """Every rank's ``obj`` (pickled), as a list in rank order."""
+    if runtime.size() == 1:
+        return [obj]
+    return session.run(lambda: session.reducer().transport.allgather_object(obj),
+                       label=name or "allgather_object")
