@@ -1,0 +1,198 @@
+"""Training step time over a slow link: cgx against PyTorch DDP's own options.
+
+VGG-11 on 32x32 inputs (28.1 M parameters, 112 MB of fp32 gradients per
+step), batch 8 per rank, one thread per rank, 2 ranks, each in its own
+network namespace behind a ``tc tbf``-shaped veth link (``benchmarks/netsim``):
+
+    .venv/bin/python benchmarks/training.py                 # 1 Gbit/s
+    .venv/bin/python benchmarks/training.py --rate 10gbit --steps 8
+
+Methods: ``compute`` (no communication: the floor), DDP fp32, DDP with
+PyTorch's ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 1, error feedback,
+warm start; run with a single DDP bucket, the only way it does not crash on
+Gloo here), cgx's DDP hook and cgx's ``DistributedOptimizer`` (both 4-bit, the
+defaults). Reports
+seconds per step (mean over the timed steps, slowest rank) and the bytes each
+rank sends per step, as ``<out>.json``, ``<out>.md`` and ``<out>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "cgx-ddp-hook", "cgx-optimizer"]
+VGG11 = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
+
+
+def vgg11(num_classes: int = 10):
+    import torch.nn as nn
+
+    layers, channels = [], 3
+    for v in VGG11:
+        if v == "M":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers += [nn.Conv2d(channels, v, 3, padding=1), nn.BatchNorm2d(v), nn.ReLU(True)]
+            channels = v
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(512, 4096), nn.ReLU(True),
+                         nn.Linear(4096, 4096), nn.ReLU(True), nn.Linear(4096, num_classes))
+
+
+def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any]:
+    """Train ``warmup + steps`` steps with ``method``; return this rank's timings."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = vgg11()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    wire = None
+    opt_model = model
+    if method.startswith("ddp") or method == "cgx-ddp-hook":
+        # PyTorch's PowerSGD hook issues its collectives in a different order on
+        # different ranks when several buckets are in flight (Gloo then fails with
+        # "Received data size doesn't match expected size"); one bucket avoids it.
+        opt_model = DDP(model, bucket_cap_mb=1024) if method == "ddp-powersgd" else DDP(model)
+        if method == "ddp-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            opt_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif method == "ddp-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+            state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                     start_powerSGD_iter=2, min_compression_rate=2,
+                                     use_error_feedback=True, warm_start=True)
+            opt_model.register_comm_hook(state, ps.powerSGD_hook)
+        elif method == "cgx-ddp-hook":
+            import cgx.torch
+            state = cgx.torch.CGXState(opt_model)
+            opt_model.register_comm_hook(state, cgx.torch.cgx_hook)
+    opt = torch.optim.SGD(opt_model.parameters(), lr=0.01, momentum=0.9)
+    hvd = None
+    if method == "cgx-optimizer":
+        import cgx.torch as hvd
+        hvd.init()
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    times = []
+    for i in range(warmup + steps):
+        if i == warmup and hvd is not None:
+            before = hvd.stats().wire_bytes
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(opt_model(x), y).backward()
+        opt.step()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(dt.item())
+    if hvd is not None:
+        wire = (hvd.stats().wire_bytes - before) / steps
+    elif method == "cgx-ddp-hook":
+        wire = state.reducer().totals.wire_bytes / (warmup + steps)
+    params = sum(p.numel() for p in model.parameters())
+    if wire is None:  # ring allreduce of the gradients (DDP) or of their compressed form
+        ring = 2 * (world - 1) / world
+        if method == "ddp-powersgd":  # P and Q (rank 1) per compressible matrix, fp32
+            values = 0
+            for p in model.parameters():
+                n, m = p.shape[0], p.numel() // p.shape[0]
+                low = (n + m) * 1
+                values += low if p.dim() > 1 and n * m >= 2 * low else p.numel()
+            wire = ring * values * 4
+        else:
+            wire = ring * params * {"compute": 0, "ddp-fp32": 4, "ddp-fp16": 2}[method]
+    return {"method": method, "times_s": times, "params": params, "wire_bytes": wire}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", default="1gbit", help="tc rate of each link ('none': unshaped)")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--out", default="benchmarks/results/training")
+    args = p.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        p.error(f"unknown method(s) {bad}; choose from {METHODS}")
+    rate = None if args.rate.lower() == "none" else args.rate
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tqdm import tqdm
+
+    from benchmarks.netsim import NetnsUnavailable, RankFailedError, SlowNetwork
+
+    results = []
+    for method in tqdm(methods, desc="training", unit="method"):
+        try:
+            with SlowNetwork(n_ranks=2, rate=rate) as net:
+                res = net.run_function("benchmarks.training:rank_main",
+                                       {"method": method, "steps": args.steps,
+                                        "warmup": args.warmup, "batch": args.batch},
+                                       timeout=1800)[0]
+        except NetnsUnavailable as exc:
+            print(f"cannot build the simulated network: {exc}", file=sys.stderr)
+            return 2
+        except RankFailedError as exc:  # report a method that crashes, keep the others
+            res = {"method": method, "error": str(exc).splitlines()[-1][:300]}
+        results.append(res)
+    base = next((statistics.mean(r["times_s"]) for r in results
+                 if r["method"] == "ddp-fp32" and "times_s" in r), None)
+    lines = [f"Command: `python benchmarks/training.py {' '.join(argv or sys.argv[1:])}`", "",
+             f"VGG-11 (28.1 M parameters), batch {args.batch}/rank, 2 ranks x 1 thread, "
+             f"link {args.rate}", "",
+             "| method | s/step | vs DDP fp32 | MB sent/step/rank |", "|---|---:|---:|---:|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['method']} | failed: {r['error']} | | |")
+            continue
+        t = statistics.mean(r["times_s"])
+        wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 1e6:.1f}"
+        speed = f"{base / t:.2f}x" if base else "-"
+        lines.append(f"| {r['method']} | {t:.3f} | {speed} | {wire} |")
+    md = "\n".join(lines)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"rate": args.rate, "batch": args.batch, "results": results}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(md + "\n")
+    _plot(results, args.out + ".png", args.rate)
+    print(md)
+    return 0
+
+
+def _plot(results, path, rate) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if "times_s" in r]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    names = [r["method"] for r in ok]
+    means = [statistics.mean(r["times_s"]) for r in ok]
+    colors = ["#888888" if n == "compute" else "#1f77b4" if n.startswith("cgx") else "#ff7f0e"
+              for n in names]
+    ax.barh(names, means, color=colors)
+    for i, m in enumerate(means):
+        ax.text(m, i, f" {m:.2f} s", va="center")
+    ax.invert_yaxis()
+    ax.set(xlabel="seconds per training step (lower is better)",
+           title=f"VGG-11, 2 ranks, link {rate}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
