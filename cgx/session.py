@@ -43,6 +43,11 @@ def shutdown() -> None:
     runtime.shutdown()
 
 
+def mpi_threads_supported() -> bool:
+    """Horovod's query; cgx never hands MPI to the user's threads."""
+    return False
+
+
 def stats():
     """Totals of every reduction so far (bytes, seconds per phase): a ``ReduceStats``."""
     return reducer().totals

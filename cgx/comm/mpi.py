@@ -163,39 +163,34 @@ class MPITransport(Transport):
 
     # -- collectives ----------------------------------------------------------------
 
+    def _bytes_collective(self, blocking, nonblocking, output, input, async_op):
+        """Run an MPI collective on the raw bytes of ``input`` -> ``output``."""
+        src, dst = _host(input, True), _host(output, False)
+        sbuf, rbuf = _bytes(src), _bytes(dst)
+        bufs = ([sbuf, self._MPI.BYTE], [rbuf, self._MPI.BYTE])
+        then = self._copy_back([(output, dst)])
+        if async_op:
+            return self._finish(nonblocking(*bufs), (src, dst, sbuf, rbuf), then, True)
+        blocking(*bufs)
+        if then:
+            then()
+        return None
+
     def alltoall(self, output, input, async_op=False):
         n_in, n_out = _nbytes(input), _nbytes(output)
         if n_in != n_out or n_in % self.size:
             raise ValueError(f"alltoall needs input and output of the same byte size, a multiple "
                              f"of the group size {self.size}; got {n_in} and {n_out} bytes")
-        src, dst = _host(input, True), _host(output, False)
-        sbuf, rbuf = _bytes(src), _bytes(dst)
-        MPI = self._MPI
-        then = self._copy_back([(output, dst)])
-        if async_op:
-            req = self.comm.Ialltoall([sbuf, MPI.BYTE], [rbuf, MPI.BYTE])
-            return self._finish(req, (src, dst, sbuf, rbuf), then, True)
-        self.comm.Alltoall([sbuf, MPI.BYTE], [rbuf, MPI.BYTE])
-        if then:
-            then()
-        return None
+        return self._bytes_collective(self.comm.Alltoall, self.comm.Ialltoall, output, input,
+                                      async_op)
 
     def allgather(self, output, input, async_op=False):
         n_in, n_out = _nbytes(input), _nbytes(output)
         if n_out != self.size * n_in:
             raise ValueError(f"allgather output must hold size * len(input) = {self.size} * "
                              f"{n_in} bytes; got {n_out} bytes")
-        src, dst = _host(input, True), _host(output, False)
-        sbuf, rbuf = _bytes(src), _bytes(dst)
-        MPI = self._MPI
-        then = self._copy_back([(output, dst)])
-        if async_op:
-            req = self.comm.Iallgather([sbuf, MPI.BYTE], [rbuf, MPI.BYTE])
-            return self._finish(req, (src, dst, sbuf, rbuf), then, True)
-        self.comm.Allgather([sbuf, MPI.BYTE], [rbuf, MPI.BYTE])
-        if then:
-            then()
-        return None
+        return self._bytes_collective(self.comm.Allgather, self.comm.Iallgather, output, input,
+                                      async_op)
 
     def allreduce(self, tensor, op=ReduceOp.SUM, async_op=False):
         if not isinstance(op, ReduceOp):

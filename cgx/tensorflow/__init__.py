@@ -64,7 +64,9 @@ except ModuleNotFoundError as _exc:
     raise MissingDependencyError("tensorflow", "tensorflow",
                                  "cgx.tensorflow (the TensorFlow/Keras adapter)") from None
 
-from cgx import runtime as _runtime
+from cgx.runtime import (cross_rank, cross_size, is_initialized, local_rank, local_size, rank,
+                         size)
+from cgx.session import mpi_threads_supported
 from cgx import session as _session
 from cgx.compression import Compression
 from cgx.config import Config, Rounding
@@ -79,17 +81,6 @@ init = _session.init
 shutdown = _session.shutdown
 stats = _session.stats
 
-size = _runtime.size
-rank = _runtime.rank
-local_rank = _runtime.local_rank
-local_size = _runtime.local_size
-cross_rank = _runtime.cross_rank
-cross_size = _runtime.cross_size
-is_initialized = _runtime.is_initialized
-
-
-def mpi_threads_supported() -> bool:
-    return False
 
 
 def __getattr__(name):

@@ -16,7 +16,9 @@ Gradients travel quantized (4 bits, bucket 1024 by default; see the
 
 from __future__ import annotations
 
-from cgx import runtime as _runtime
+from cgx.runtime import (cross_rank, cross_size, is_initialized, local_rank, local_size, rank,
+                         size)
+from cgx.session import mpi_threads_supported
 from cgx.compression import Compression
 from cgx.config import Config, Rounding
 from cgx import session as _session
@@ -31,22 +33,11 @@ from cgx.torch.ops import (allgather, allgather_async, allreduce, allreduce_, al
                            join, poll, reducescatter, reducescatter_async, synchronize)
 from cgx.torch.optimizer import DistributedOptimizer
 
-size = _runtime.size
-rank = _runtime.rank
-local_rank = _runtime.local_rank
-local_size = _runtime.local_size
-cross_rank = _runtime.cross_rank
-cross_size = _runtime.cross_size
-is_initialized = _runtime.is_initialized
 
 
 init = _session.init
 shutdown = _session.shutdown
 stats = _session.stats
-
-
-def mpi_threads_supported() -> bool:
-    return False
 
 
 __all__ = [

@@ -73,6 +73,13 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
                             compression, tensor)[0]
 
 
+def _reduce_in_place(tensors, op, pre, post, name):
+    """Engine thread: reduce ``tensors`` and write the results back into them."""
+    for t, o in zip(tensors, reduce_tensors(tensors, op, pre, post, name, None)):
+        t.copy_(o)
+    return tensors
+
+
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """In-place form of :func:`allreduce_async`: ``synchronize`` writes into ``tensor``."""
@@ -80,11 +87,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     op = resolve_op(op, average)
     name = op_name(name, "allreduce")
 
-    def work():
-        tensor.copy_(reduce_tensors([tensor], op, prescale_factor, postscale_factor, name, None)[0])
-        return tensor
-
-    return session.submit(work, label=name)
+    return session.submit(lambda: _reduce_in_place([tensor], op, prescale_factor,
+                                                   postscale_factor, name)[0], label=name)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -121,13 +125,8 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     name = op_name(name, "grouped_allreduce")
     tensors = list(tensors)
 
-    def work():
-        for t, o in zip(tensors, reduce_tensors(tensors, op, prescale_factor, postscale_factor,
-                                              name, None)):
-            t.copy_(o)
-        return tensors
-
-    return session.submit(work, label=name)
+    return session.submit(_reduce_in_place, tensors, op, prescale_factor, postscale_factor, name,
+                          label=name)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
