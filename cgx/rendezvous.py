@@ -27,6 +27,12 @@ from cgx.launcher import Launcher, WorldInfo, advertised_address
 # Scope of cgx's keys on horovodrun's HTTP key-value server.
 KV_SCOPE = "cgx"
 _abort_hook_installed = False
+_exit_failing = False  # an uncaught exception, or a non-zero exit status handed to MPI_Abort
+
+
+def exit_failing() -> bool:
+    """True when this process is exiting because of a failure (see install_mpi_abort_hook)."""
+    return _exit_failing
 
 
 def make_store(world: WorldInfo, cfg: Config, generation: int = 0):
@@ -200,6 +206,8 @@ def install_mpi_abort_hook() -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):
+        global _exit_failing
+        _exit_failing = True
         try:
             from mpi4py.run import set_abort_status
             set_abort_status(exc if isinstance(exc, (SystemExit, KeyboardInterrupt)) else 1)
@@ -208,4 +216,30 @@ def install_mpi_abort_hook() -> None:
         previous(exc_type, exc, tb)
 
     sys.excepthook = hook
+    _watch_abort_status()
     _abort_hook_installed = True
+
+
+def _watch_abort_status() -> None:
+    """Note when mpi4py is told to abort (``python -m mpi4py`` on a non-zero exit).
+
+    mpi4py keeps the status to itself; cgx needs to know it at exit, to leave
+    the process group open for MPI_Abort instead of closing it (see
+    ``cgx.runtime._at_exit``).
+    """
+    mpi = sys.modules.get("mpi4py.MPI")
+    original = getattr(mpi, "_set_abort_status", None)
+    if original is None or getattr(original, "_cgx_watch", False):
+        return
+
+    def watched(status):
+        global _exit_failing
+        if status:
+            _exit_failing = True
+        return original(status)
+
+    watched._cgx_watch = True
+    try:
+        mpi._set_abort_status = watched
+    except (AttributeError, TypeError):  # a build whose module refuses: the hook still covers
+        pass

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from cgx.config import Config, TorchBackend, TransportKind
 from cgx.errors import CGXError, ConfigError, NotInitializedError
 from cgx.launcher import Launcher, WorldInfo, discover
-from cgx.rendezvous import install_mpi_abort_hook, make_store
+from cgx.rendezvous import exit_failing, install_mpi_abort_hook, make_store
 
 if TYPE_CHECKING:  # torch is imported by init(), not by importing this module
     import torch
@@ -194,11 +194,14 @@ EXIT_RECORD_VAR = "CGXRUN_EXIT_DIR"
 def _at_exit() -> None:
     """Interpreter exit: note the time for cgxrun, then shut down.
 
-    Under MPI launchers only the state is dropped: closing the Gloo sockets
-    here would wake peers blocked in a collective with this rank, and a peer
-    that fails and calls ``MPI_Abort`` before this rank does would make mpirun
-    report the peer's exit code. MPI_Finalize/MPI_Abort and the process end
-    release everything.
+    Under MPI launchers, when this rank exits because of a failure, only the
+    state is dropped: closing the Gloo sockets here would wake peers blocked in
+    a collective with this rank, and a peer that fails and calls ``MPI_Abort``
+    before this rank does would make mpirun report the peer's exit code.
+    MPI_Abort and the process end release everything. A normal exit shuts
+    down cleanly everywhere: Gloo's worker threads must be joined before the
+    interpreter finalizes, or a thread releasing a tensor then aborts the
+    process ("terminate called without an active exception").
     """
     global _state
     with _lock:
@@ -212,7 +215,9 @@ def _at_exit() -> None:
                     f.write(str(time.time_ns()))
             except OSError:
                 pass
-        if st.world.launcher in (Launcher.OPEN_MPI, Launcher.MPICH) or st.transport.name == "mpi":
+        under_mpi = st.world.launcher in (Launcher.OPEN_MPI, Launcher.MPICH) or \
+            st.transport.name == "mpi"
+        if under_mpi and exit_failing():
             _state = None
         else:
             shutdown()
@@ -394,7 +399,8 @@ def _make_torch(world: WorldInfo, cfg: Config, device,
         raise CGXError("this torch build has no torch.distributed; install a build with it, "
                        "or use CGX_TRANSPORT=mpi")
     if dist.is_initialized():
-        return TorchTransport(_own_group(), None if device is None else torch.device(device)), False
+        return TorchTransport(_own_group(), None if device is None else torch.device(device),
+                              owns_group=True), False
     if world.size == 1 and not explicit:
         # Nothing to connect: collectives are copies. (transport="torch" still
         # creates a 1-rank group, for code that wants torch.distributed up.)
@@ -414,7 +420,7 @@ def _make_torch(world: WorldInfo, cfg: Config, device,
         dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
                                 timeout=timeout)
     try:
-        return TorchTransport(_own_group(), dev), True
+        return TorchTransport(_own_group(), dev, owns_group=True), True
     except BaseException:
         dist.destroy_process_group()
         raise

@@ -389,3 +389,32 @@ def test_hierarchical_split_four_ranks():
                          rank_env=horovod_gloo_env(kv.port, 2, 4),
                          env={"CGX_TRANSPORT": "torch"}, timeout=LAUNCH_TIMEOUT_S).check()
     check_world(outs, "horovod_gloo", size=4, local_size=2)
+
+
+class _ClosingTransport(SingleProcessTransport):
+    name = "torch-gloo"
+
+    def __init__(self):
+        super().__init__()
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("failing", [False, True])
+def test_exit_under_mpi_closes_unless_failing(monkeypatch, failing):
+    """A normal exit joins the engine's threads (else a Gloo thread releasing a tensor
+    during interpreter finalization aborts the process); a failing exit leaves the
+    sockets to MPI_Abort, so the failing rank's exit code is the job's."""
+    import cgx.rendezvous as rdv
+    from cgx.config import TransportKind
+
+    tr = _ClosingTransport()
+    world = WorldInfo(0, 2, 0, 2, 0, 1, "h", Launcher.OPEN_MPI)
+    monkeypatch.setattr(rt, "_state", rt._State(world, Config(), TransportKind.TORCH, tr, tr, tr,
+                                                False))
+    monkeypatch.setattr(rdv, "_exit_failing", failing)
+    rt._at_exit()
+    assert not rt.is_initialized()
+    assert tr.closed is (not failing)

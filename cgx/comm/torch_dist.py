@@ -49,14 +49,16 @@ class TorchTransport(Transport):
         group: the process group (None: the default, world group).
         device: device of the tensors this transport takes; default ``cuda``
             (current device) for NCCL groups, else ``cpu``.
+        owns_group: ``close()`` destroys ``group`` (a group made for this transport).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device | str] = None):
+                 device: Optional[torch.device | str] = None, owns_group: bool = False):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchTransport needs an initialized torch.distributed process "
                                "group: call cgx.init() or torch.distributed.init_process_group()")
         self.group = group
+        self.owns_group = owns_group and group is not None
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.backend = str(dist.get_backend(group)).lower()
@@ -117,6 +119,12 @@ class TorchTransport(Transport):
     def barrier(self):
         dist.barrier(group=self.group)
 
+    def close(self) -> None:
+        """Destroy the group if this transport owns it (joins its engine threads)."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+            self.owns_group = False
+
     def split(self, groups: Sequence[Sequence[int]]) -> "TorchTransport":
         """Sub-transport of this rank's group; every rank passes the same ``groups``."""
         seen = sorted(r for g in groups for r in g)
@@ -135,4 +143,4 @@ class TorchTransport(Transport):
                 # Sub-group: only members take part (non-members never call).
                 global_ranks = [dist.get_global_rank(self.group, r) for r in g]
                 mine = dist.new_group(ranks=global_ranks, use_local_synchronization=True)
-        return TorchTransport(mine, self.device)
+        return TorchTransport(mine, self.device, owns_group=True)
