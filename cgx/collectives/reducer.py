@@ -163,7 +163,8 @@ class Reducer:
         timer = pipeline.PhaseTimer(self.timeline)
         comp = [i for i, s in enumerate(specs) if s is not None] if op in (
             ReduceOp.SUM, ReduceOp.AVERAGE) else []
-        plain = [i for i in range(len(tensors)) if i not in set(comp)]
+        compressed = set(comp)
+        plain = [i for i in range(len(tensors)) if i not in compressed]
         buffer_id = zlib.crc32(name.encode()) if name else 0
         fp32_wire = 0
         if comp and world > 1:
@@ -312,12 +313,15 @@ class Reducer:
         sent, limit = 0, self.config.fusion_buffer_bytes
         engine_op = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
         groups: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        filled: dict[torch.dtype, int] = {}  # bytes in each dtype's last bin
         for t in tensors:  # first-appearance order: identical on every rank
             bins = groups.setdefault(t.dtype, [[]])
-            if bins[-1] and sum(x.numel() * x.element_size() for x in bins[-1]) + \
-                    t.numel() * t.element_size() > limit:
+            nbytes = t.numel() * t.element_size()
+            if bins[-1] and filled[t.dtype] + nbytes > limit:
                 bins.append([])
+                filled[t.dtype] = 0
             bins[-1].append(t)
+            filled[t.dtype] = filled.get(t.dtype, 0) + nbytes
         for bins in groups.values():
             for group in bins:
                 if len(group) == 1:

@@ -120,11 +120,11 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
+    """In-place form of :func:`grouped_allreduce_async`: results land in ``tensors``."""
     check_process_set(process_set)
     op = resolve_op(op, average)
     name = op_name(name, "grouped_allreduce")
     tensors = list(tensors)
-
     return session.submit(_reduce_in_place, tensors, op, prescale_factor, postscale_factor, name,
                           label=name)
 
