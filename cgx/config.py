@@ -190,7 +190,16 @@ class Config:
     # the other ranks to publish rank 0's address before it fails.
     start_timeout_s: float = 120.0
     timeline: Optional[str] = None  # CGX_TIMELINE (else HOROVOD_TIMELINE): Chrome trace path
-    timeout_s: float = 1800.0  # CGX_TIMEOUT_S: collective timeout before an error
+    # CGX_TIMEOUT_S: a collective that has not finished after this many seconds fails
+    # on every rank, naming the ranks that did not take part; applies to the process
+    # groups cgx creates too. Minutes, not Horovod's "wait forever".
+    timeout_s: float = 300.0
+    # CGX_STALL_WARNING_S (else HOROVOD_STALL_CHECK_TIME_SECONDS): warn (once per
+    # interval) while a collective waits this long for other ranks; 0 turns it off.
+    stall_warning_s: float = 60.0
+    # CGX_CHECK_CONSISTENCY: ranks agree on each collective's name, shapes, dtypes,
+    # op and compression before it runs (a mismatch is a clear error on every rank).
+    check_consistency: bool = True
     verbose: bool = False  # CGX_VERBOSE
 
     def __post_init__(self):
@@ -204,6 +213,10 @@ class Config:
             raise ConfigError(f"pipeline_chunk_mb={self.pipeline_chunk_mb} must be in (0, 4096]")
         if not 1 <= self.cpu_threads <= 256:
             raise ConfigError(f"cpu_threads={self.cpu_threads} must be in [1, 256]")
+        if not 0 < self.timeout_s <= 7 * 24 * 3600:
+            raise ConfigError(f"timeout_s={self.timeout_s} must be in (0, 604800]")
+        if not 0 <= self.stall_warning_s <= 7 * 24 * 3600:
+            raise ConfigError(f"stall_warning_s={self.stall_warning_s} must be in [0, 604800]")
         if not 0 < self.start_timeout_s <= 7 * 24 * 3600:
             raise ConfigError(f"start_timeout_s={self.start_timeout_s} must be in (0, 604800]")
         for name, cls in (("rounding", Rounding), ("inner_reduction", ReductionType),
@@ -243,6 +256,13 @@ class Config:
         if start_timeout < 0:
             start_timeout = _float(env, "HOROVOD_START_TIMEOUT", cls.start_timeout_s, 1.0,
                                    7 * 24 * 3600.0)
+        stall = _float(env, "CGX_STALL_WARNING_S", -1.0, 0.0, 7 * 24 * 3600.0)
+        if stall < 0:
+            stall = _float(env, "HOROVOD_STALL_CHECK_TIME_SECONDS", cls.stall_warning_s, 0.0,
+                           7 * 24 * 3600.0)
+        if _bool(env, "HOROVOD_STALL_CHECK_DISABLE", False) and \
+                env.get("CGX_STALL_WARNING_S") is None:
+            stall = 0.0
         bits_extra = f" (or {NO_QUANTIZATION_BITS} for no quantization)"
         bits = _int(env, "CGX_COMPRESSION_QUANTIZATION_BITS", cls.bits, MIN_BITS,
                     NO_QUANTIZATION_BITS, bits_extra)
@@ -277,6 +297,8 @@ class Config:
             start_timeout_s=start_timeout,
             timeline=timeline,
             timeout_s=_float(env, "CGX_TIMEOUT_S", cls.timeout_s, 1.0, 7 * 24 * 3600.0),
+            stall_warning_s=stall,
+            check_consistency=_bool(env, "CGX_CHECK_CONSISTENCY", cls.check_consistency),
             verbose=_bool(env, "CGX_VERBOSE", cls.verbose),
         )
 
@@ -303,6 +325,11 @@ ENV_VARS = {
     "CGX_START_TIMEOUT_S": "seconds cgx.init() waits for rank 0's address (default 120; "
                            "else HOROVOD_START_TIMEOUT)",
     "CGX_TIMELINE": "write a Chrome-trace timeline here (else HOROVOD_TIMELINE)",
-    "CGX_TIMEOUT_S": "seconds before a stuck collective raises (default 1800)",
+    "CGX_TIMEOUT_S": "seconds before a stuck collective fails on every rank, naming the "
+                     "missing ranks (default 300)",
+    "CGX_STALL_WARNING_S": "warn while a collective waits this long for other ranks; 0: off "
+                           "(default 60; else HOROVOD_STALL_CHECK_TIME_SECONDS)",
+    "CGX_CHECK_CONSISTENCY": "ranks agree on names, shapes, dtypes, ops and compression before "
+                             "a collective runs (default 1)",
     "CGX_VERBOSE": "log what cgx decides (default 0)",
 }

@@ -33,4 +33,17 @@ class MissingDependencyError(ImportError):
 
 
 class CollectiveMismatchError(CGXError):
-    """Ranks disagree on what to reduce (different tensors, sizes or settings)."""
+    """Ranks disagree on a collective (different names, shapes, dtypes, roots or settings).
+
+    Raised on every rank with the same message. ``recoverable`` is True when
+    no rank has moved data yet, so the job can go on (as with Horovod);
+    False when queued work depended on the agreement (cgx then stops
+    communicating for good).
+    """
+
+    def __init__(self, message: str, recoverable: bool = True):
+        super().__init__(message)
+        self.recoverable = recoverable
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.recoverable))

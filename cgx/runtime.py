@@ -82,6 +82,7 @@ class _State:
     local: "Transport"
     cross: "Transport"
     owns_process_group: bool  # cgx created torch.distributed's group: destroy it at shutdown
+    board: object = None  # ProgressBoard on the rendezvous store (None: not available)
 
 
 _lock = threading.RLock()
@@ -148,13 +149,17 @@ def init(config: Optional[Config] = None, *,
         try:
             world, adopted = _world_for(world, tr)
             world, local_groups, cross_groups = _layout(world, tr, adopted)
+            if world.size > 1:  # unconditional: CGX_CHECK_CONSISTENCY itself must match
+                from cgx.comm.consistency import agree_config
+                agree_config(tr, config)
             local, cross = _sub_transports(tr, local_groups, cross_groups)
         except BaseException:
             if given is None:  # a transport the caller made stays the caller's
                 _close(tr, owns)
             raise
         _state = _State(world=world, config=config, kind=kind, transport=tr, local=local,
-                        cross=cross, owns_process_group=owns)
+                        cross=cross, owns_process_group=owns,
+                        board=_make_board(world, tr, config))
         _inits += 1
         if not _atexit_registered:
             atexit.register(_at_exit)
@@ -177,6 +182,7 @@ def shutdown() -> None:
         st, _state = _state, None
         if st is None:
             return
+        _store_address[0] = None
         for sub in (st.cross, st.local):
             if sub is not st.transport:
                 try:
@@ -283,6 +289,12 @@ def transport() -> "Transport":
 def local_transport() -> "Transport":
     """The transport over the ranks of this node (the world transport on one node)."""
     return _get("local_transport").local
+
+
+def progress_board():
+    """This job's :class:`~cgx.comm.progress.ProgressBoard`, or None where there is none
+    (one rank, or a transport without a torch.distributed store)."""
+    return _get("progress_board").board
 
 
 def cross_transport() -> "Transport":
@@ -399,8 +411,8 @@ def _make_torch(world: WorldInfo, cfg: Config, device,
         raise CGXError("this torch build has no torch.distributed; install a build with it, "
                        "or use CGX_TRANSPORT=mpi")
     if dist.is_initialized():
-        return TorchTransport(_own_group(), None if device is None else torch.device(device),
-                              owns_group=True), False
+        return TorchTransport(_own_group(cfg), None if device is None else torch.device(device),
+                              owns_group=True, timeout_s=cfg.timeout_s), False
     if world.size == 1 and not explicit:
         # Nothing to connect: collectives are copies. (transport="torch" still
         # creates a 1-rank group, for code that wants torch.distributed up.)
@@ -417,16 +429,39 @@ def _make_torch(world: WorldInfo, cfg: Config, device,
                                 world_size=world.size, timeout=timeout)
     else:
         store = make_store(world, cfg, _inits)
+        _store_address[0] = (store.host, store.port) if hasattr(store, "port") else None
         dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
                                 timeout=timeout)
     try:
-        return TorchTransport(_own_group(), dev, owns_group=True), True
+        return TorchTransport(_own_group(cfg), dev, owns_group=True,
+                              timeout_s=cfg.timeout_s), True
     except BaseException:
         dist.destroy_process_group()
         raise
 
 
-def _own_group():
+_store_address: list = [None]  # (host, port) of the store cgx made for the running job
+
+
+def _make_board(world: WorldInfo, tr: "Transport", cfg: Config):
+    """A progress board on the job's rendezvous store, when there is one (else None)."""
+    if world.size == 1 or not tr.name.startswith("torch"):
+        return None
+    addr = _store_address[0]
+    if addr is None and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    if addr is None:
+        return None
+    from cgx.comm.progress import ProgressBoard
+    scope = f"{_inits}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        return ProgressBoard(addr[0], addr[1], world.rank, world.size, scope)
+    except Exception as e:  # noqa: BLE001 - the board only improves messages
+        _log(cfg, world, f"no progress board ({e}); stalls will not name the missing ranks")
+        return None
+
+
+def _own_group(cfg: Config):
     """A process group for cgx's traffic alone, over the same ranks as the world.
 
     cgx reduces on a background thread; if it shared the default group with the
@@ -436,7 +471,8 @@ def _own_group():
     init(), so the group is created in the same order everywhere.
     """
     import torch.distributed as dist
-    return dist.new_group(list(range(dist.get_world_size())))
+    return dist.new_group(list(range(dist.get_world_size())),
+                          timeout=datetime.timedelta(seconds=cfg.timeout_s))
 
 
 def _make_mpi(world: WorldInfo, device) -> "Transport":

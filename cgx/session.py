@@ -66,16 +66,14 @@ def reducer() -> Reducer:
             if runtime.cross_size() > 1 and runtime.local_size() > 1:
                 local, cross = runtime.local_transport(), runtime.cross_transport()
             _reducer = Reducer(tr, cfg, local=local, cross=cross,
-                               timeline=Timeline(cfg.timeline, runtime.rank()))
+                               timeline=Timeline(cfg.timeline, runtime.rank()),
+                               board=runtime.progress_board())
             _owner = tr
         return _reducer
 
 
 def engine() -> Engine:
-    red = reducer()
-    if red._engine is None:
-        red._engine = Engine(red.transport.device)
-    return red._engine
+    return reducer().engine()
 
 
 def submit(fn: Callable[..., Any], *args, label: str = "", **kwargs) -> Handle:
@@ -85,7 +83,13 @@ def submit(fn: Callable[..., Any], *args, label: str = "", **kwargs) -> Handle:
 
 def run(fn: Callable[..., Any], *args, label: str = "", **kwargs) -> Any:
     """Submit and wait (the synchronous form of every collective)."""
-    return submit(fn, *args, label=label, **kwargs).wait(runtime.config().timeout_s)
+    return submit(fn, *args, label=label, **kwargs).wait(wait_timeout())
+
+
+def wait_timeout() -> float:
+    """How long a caller waits on a handle: the watchdog fails a stuck collective after
+    ``CGX_TIMEOUT_S``; this backstop only matters if the watchdog itself is stuck."""
+    return runtime.config().timeout_s + 30.0
 
 
 def close() -> None:

@@ -116,7 +116,7 @@ def run_ranks(code: Optional[str] = None, *, path: Optional[str] = None, nprocs:
               launcher: str = "torchrun", args: Sequence[str] = (),
               env: Optional[Mapping[str, str]] = None, launcher_args: Sequence[str] = (),
               rank_env: Optional[Callable[[int], Mapping[str, str]]] = None,
-              timeout: float = 60.0) -> RankRun:
+              timeout: float = 60.0, keep_going: bool = False) -> RankRun:
     """Run ``code`` (a snippet) or ``path`` (a file) on ``nprocs`` ranks.
 
     Args:
@@ -127,6 +127,7 @@ def run_ranks(code: Optional[str] = None, *, path: Optional[str] = None, nprocs:
         env: extra environment for the launcher (and so the ranks).
         launcher_args: extra launcher flags (before the program).
         rank_env: ``env`` launcher only: the variables of each rank.
+        keep_going: ``env`` launcher only: a failing rank does not stop the others.
         timeout: seconds before the whole run is killed.
     """
     if (code is None) == (path is None):
@@ -169,7 +170,8 @@ def run_ranks(code: Optional[str] = None, *, path: Optional[str] = None, nprocs:
             cmd = program
         start = time.monotonic()
         if launcher == "env":
-            rc, out, err, timed_out = _run_env_ranks(cmd, nprocs, full_env, rank_env, timeout)
+            rc, out, err, timed_out = _run_env_ranks(cmd, nprocs, full_env, rank_env, timeout,
+                                                     keep_going)
         else:
             rc, out, err, timed_out = _run(cmd, full_env, timeout)
         duration = time.monotonic() - start
@@ -199,8 +201,9 @@ def _run(cmd, env, timeout):
         return proc.returncode, out, err, True
 
 
-def _run_env_ranks(cmd, nprocs, env, rank_env, timeout):
-    """Start ``nprocs`` copies with per-rank variables; fail (and stop all) on the first error."""
+def _run_env_ranks(cmd, nprocs, env, rank_env, timeout, keep_going=False):
+    """Start ``nprocs`` copies with per-rank variables; fail (and stop all) on the first error,
+    unless ``keep_going`` (then the others run on, to see how they handle the failure)."""
     procs = []
     logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nprocs)]
     for r in range(nprocs):
@@ -209,7 +212,7 @@ def _run_env_ranks(cmd, nprocs, env, rank_env, timeout):
                                       text=True, start_new_session=True))
     deadline, timed_out, rc = time.monotonic() + timeout, False, 0
     while any(p.poll() is None for p in procs):
-        failed = [p for p in procs if p.poll() not in (None, 0)]
+        failed = [p for p in procs if p.poll() not in (None, 0)] if not keep_going else []
         if failed or time.monotonic() > deadline:
             timed_out = not failed
             rc = failed[0].returncode if failed else -9

@@ -20,6 +20,7 @@ import torch
 
 from cgx import runtime, session
 from cgx.comm.base import ReduceOp
+from cgx.comm.consistency import agree, signature, tensor_fields
 from cgx.compression import CompressorKind, as_compressor
 from cgx.compression.quantization import FLOAT_DTYPES, QuantSpec
 
@@ -73,6 +74,23 @@ def op_name(name, kind: str) -> str:
     return name if name is not None else f"{kind}.noname.{next(_names)}"
 
 
+def check(kind: str, name: str, **fields) -> None:
+    """Engine thread: every rank agrees on this collective before it runs (CGX_CHECK_CONSISTENCY).
+
+    Raises:
+        CollectiveMismatchError: on every rank, naming the fields that differ.
+    """
+    if runtime.config().check_consistency:
+        agree(session.reducer().transport, signature(kind, name, **fields))
+
+
+def check_root(root_rank, size: int) -> None:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or \
+            not 0 <= root_rank < size:
+        raise ValueError(f"root_rank={root_rank!r} is not a rank (world size {size}); pass "
+                         f"0..{size - 1}")
+
+
 def _on_transport(t: torch.Tensor) -> torch.Tensor:
     dev = session.reducer().transport.device
     return t if t.device == dev else t.to(dev)
@@ -89,8 +107,10 @@ def reduce_tensors(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: 
     travels exact), or top-k/PowerSGD (their own reduction, per tensor).
     """
     red = session.reducer()
-    outs = [_on_transport(t.detach()).clone().contiguous() for t in tensors]
     comp = None if compression is None else as_compressor(compression)
+    check("allreduce", name, op=op, prescale_factor=pre, postscale_factor=post,
+          compression=comp, **tensor_fields(tensors))
+    outs = [_on_transport(t.detach()).clone().contiguous() for t in tensors]
     if comp is None or comp.kind is CompressorKind.NONE:
         red.allreduce(outs, None, op=op, prescale_factor=pre, postscale_factor=post, name=name)
     elif comp.kind is CompressorKind.QUANTIZE and op in (ReduceOp.SUM, ReduceOp.AVERAGE) \
@@ -120,8 +140,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
         torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
-def allgather_rows(tensor: torch.Tensor) -> torch.Tensor:
+def allgather_rows(tensor: torch.Tensor, name: str = "allgather") -> torch.Tensor:
     tr = session.reducer().transport
+    check("allgather", name, **tensor_fields([tensor], skip_first_dim=True),
+          ndim=tensor.dim())
     t = _on_transport(tensor.detach()).contiguous()
     rows = torch.tensor([t.shape[0] if t.dim() else 1], dtype=torch.int64, device=tr.device)
     all_rows = torch.empty(tr.size, dtype=torch.int64, device=tr.device)
@@ -143,18 +165,21 @@ def allgather_rows(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(shape).to(tensor.device)
 
 
-def broadcast_tensor(tensor: torch.Tensor, root_rank: int, out: torch.Tensor) -> torch.Tensor:
+def broadcast_tensor(tensor: torch.Tensor, root_rank: int, out: torch.Tensor,
+                     name: str = "broadcast") -> torch.Tensor:
     tr = session.reducer().transport
-    if not 0 <= root_rank < tr.size:
-        raise ValueError(f"root_rank={root_rank} is not a rank (world size {tr.size})")
+    check_root(root_rank, tr.size)
+    check("broadcast", name, root_rank=root_rank, **tensor_fields([tensor]))
     buf = _on_transport(tensor.detach()).clone().contiguous()
     tr.broadcast(buf, root_rank)
     out.copy_(buf.view_as(out))
     return out
 
 
-def alltoall_rows(tensor: torch.Tensor, splits) -> tuple:
+def alltoall_rows(tensor: torch.Tensor, splits, name: str = "alltoall") -> tuple:
     tr = session.reducer().transport
+    check("alltoall", name, **tensor_fields([tensor], skip_first_dim=True),
+          ndim=tensor.dim(), splits_given=splits is not None)
     t = _on_transport(tensor.detach()).contiguous()
     W = tr.size
     rows = t.shape[0] if t.dim() else 0
@@ -197,11 +222,11 @@ def reducescatter_rows(tensor, op, pre, post, name, compression):
     return full[start: start + base + (1 if r < extra else 0)].clone()
 
 
-def broadcast_tensors(tensors: list, root_rank: int) -> None:
+def broadcast_tensors(tensors: list, root_rank: int, name: str = "broadcast") -> None:
     """In-place broadcast of many tensors, fused into one buffer per dtype and device."""
     tr = session.reducer().transport
-    if not 0 <= root_rank < tr.size:
-        raise ValueError(f"root_rank={root_rank} is not a rank (world size {tr.size})")
+    check_root(root_rank, tr.size)
+    check("broadcast", name, root_rank=root_rank, **tensor_fields(tensors))
     groups = collections.defaultdict(list)
     for t in tensors:
         groups[(t.dtype, t.device)].append(t)
@@ -219,13 +244,24 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str = None) -> A
     """``root_rank``'s ``obj`` (pickled) on every rank."""
     if runtime.size() == 1:
         return obj
-    return session.run(lambda: session.reducer().transport.broadcast_object(obj, root_rank),
-                       label=name or "broadcast_object")
+    check_root(root_rank, runtime.size())
+    name = name or "broadcast_object"
+
+    def run():
+        check("broadcast_object", name, root_rank=root_rank)
+        return session.reducer().transport.broadcast_object(obj, root_rank)
+
+    return session.run(run, label=name)
 
 
 def allgather_object(obj: Any, name: str = None) -> list:
     """Every rank's ``obj`` (pickled), as a list in rank order."""
     if runtime.size() == 1:
         return [obj]
-    return session.run(lambda: session.reducer().transport.allgather_object(obj),
-                       label=name or "allgather_object")
+    name = name or "allgather_object"
+
+    def run():
+        check("allgather_object", name)
+        return session.reducer().transport.allgather_object(obj)
+
+    return session.run(run, label=name)

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.comm.base import ReduceOp, Transport
+from cgx.comm.base import ReduceOp, Transport, scale_
 from cgx.compression.quantization import FLOAT_DTYPES, QuantSpec
 from cgx.config import Config, Hierarchy, ReductionType
 from cgx.collectives import algorithms as alg
@@ -73,6 +73,20 @@ class ReduceStats:
         return self.seconds.get("_fp32_wire", 0.0) / self.wire_bytes if self.wire_bytes else 1.0
 
 
+def _sanitize_residuals(residuals) -> None:
+    """After a step with inf/NaN gradients (routine while AMP's loss scale calibrates), drop the
+    non-finite parts of the error-feedback residuals, so that one overflow does not poison
+    every later step. The step's result itself stays non-finite on every rank, so that
+    ``GradScaler`` skips it everywhere.
+
+    Cost: one sum per residual (a fast vectorized pass); the cleaning pass runs only
+    after an overflow.
+    """
+    for e in residuals:
+        if e is not None and e.numel() and not torch.isfinite(e.sum()):
+            torch.nan_to_num_(e, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def _plain_wire_bytes(nbytes: int, world: int) -> int:
     """Bytes one rank sends in a ring allreduce of ``nbytes``."""
     return 2 * (world - 1) * nbytes // world if world > 1 else 0
@@ -87,11 +101,13 @@ class Reducer:
         local, cross: sub-transports for hierarchical reduction (ranks of this
             node; ranks with this local rank on other nodes).
         timeline: optional Chrome-trace timeline.
+        board: this job's :class:`~cgx.comm.progress.ProgressBoard` (names
+            missing ranks when a collective stalls), or None.
     """
 
     def __init__(self, transport: Transport, config: Optional[Config] = None, *,
                  local: Optional[Transport] = None, cross: Optional[Transport] = None,
-                 timeline: Optional[Timeline] = None):
+                 timeline: Optional[Timeline] = None, board=None):
         self.transport = transport
         self.config = config or Config.from_env()
         self.local, self.cross = local, cross
@@ -105,7 +121,17 @@ class Reducer:
         self.timeline = timeline or Timeline(None)
         self.calls = 0  # part of the state: feeds the stochastic-rounding key
         self.totals = ReduceStats()
+        self.board = board
         self._engine: Optional[Engine] = None
+
+    def engine(self) -> Engine:
+        """The engine thread that runs this reducer's asynchronous work (created on first use)."""
+        if self._engine is None:
+            cfg = self.config
+            self._engine = Engine(self.transport.device, board=self.board,
+                                  stall_warning_s=cfg.stall_warning_s, timeout_s=cfg.timeout_s,
+                                  rank=self.transport.rank, timeline=self.timeline)
+        return self._engine
 
     # -- state ------------------------------------------------------------------
 
@@ -158,7 +184,7 @@ class Reducer:
         scale = postscale_factor / world if op is ReduceOp.AVERAGE else postscale_factor
         if prescale_factor != 1.0:
             for t in tensors:
-                t.mul_(prescale_factor)
+                scale_(t, prescale_factor)
         stats = ReduceStats(calls=1)
         timer = pipeline.PhaseTimer(self.timeline)
         comp = [i for i, s in enumerate(specs) if s is not None] if op in (
@@ -173,10 +199,12 @@ class Reducer:
             res = self._check_residuals(residuals, tensors, comp, algorithm)
             stats.wire_bytes += self._compressed(views, segs, algorithm, scale, buffer_id, timer,
                                                  res, self.calls if step is None else step)
+            if res is not None:
+                _sanitize_residuals(res)
             fp32_wire += _plain_wire_bytes(sum(v.numel() * 4 for v in views), world)
         elif comp and scale != 1.0:
             for i in comp:
-                tensors[i].mul_(scale)
+                scale_(tensors[i], scale)
         if plain:
             with timer.time("plain"):
                 stats.wire_bytes += self._plain([tensors[i] for i in plain], op, scale)
@@ -200,11 +228,9 @@ class Reducer:
 
         Submissions run in order; submit in the same order on every rank.
         """
-        if self._engine is None:
-            self._engine = Engine(self.transport.device)
         # Validate here so that a user error raises in the caller, not in the engine.
         tensors, specs = self._validate(tensors, specs, kwargs.get("op", ReduceOp.AVERAGE))
-        return self._engine.submit(self.allreduce, (tensors, specs), kwargs,
+        return self.engine().submit(self.allreduce, (tensors, specs), kwargs,
                                    label=kwargs.get("name") or "allreduce")
 
     def close(self) -> None:
@@ -227,6 +253,11 @@ class Reducer:
                              "QuantSpec or None per tensor")
         if not isinstance(op, ReduceOp):
             raise TypeError(f"op must be a cgx ReduceOp, got {op!r}")
+        if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            for i, t in enumerate(tensors):
+                if t.is_complex():
+                    raise ValueError(f"tensor {i} is complex ({t.dtype}); complex tensors reduce "
+                                     f"with op Sum or Average only, not {op.name.title()}")
         dev = self.transport.device
         for i, (t, s) in enumerate(zip(tensors, specs)):
             if t.device != dev:
@@ -328,15 +359,17 @@ class Reducer:
                     buf = group[0].view(-1)
                 else:
                     buf = torch.cat([t.view(-1) for t in group])
+                # What travels: complex as pairs of reals; bool as int32 (so that Sum
+                # counts instead of saturating, and Average follows the integer rule).
+                wire = torch.view_as_real(buf) if buf.is_complex() else (
+                    buf.to(torch.int32) if buf.dtype == torch.bool else buf)
                 if self.transport.size > 1:
-                    self.transport.allreduce(buf, engine_op)
+                    self.transport.allreduce(wire, engine_op)
                     sent += _plain_wire_bytes(buf.numel() * buf.element_size(),
                                               self.transport.size)
-                if scale != 1.0:
-                    if buf.is_floating_point():
-                        buf.mul_(scale)
-                    else:
-                        buf.copy_((buf.double() * scale).round().to(buf.dtype))
+                scale_(wire, scale)
+                if wire is not buf and wire.data_ptr() != buf.data_ptr():
+                    buf.copy_(wire != 0 if buf.dtype == torch.bool else wire)
                 if len(group) > 1:
                     for t, part in zip(group, buf.split([t.numel() for t in group])):
                         t.view(-1).copy_(part)

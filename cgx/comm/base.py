@@ -34,6 +34,32 @@ class ReduceOp(enum.Enum):
     PRODUCT = "product"
 
 
+def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """Multiply ``tensor`` in place by ``factor``, by Horovod's rules; returns it.
+
+    This is the one scaling rule of every path (pre/postscale, Average's
+    division by the world size, fused or not, every transport):
+
+    * floating point: ``x * factor`` (16-bit types computed in float32, then rounded);
+    * complex: both parts scaled;
+    * integers: ``trunc(float64(x) * factor)``, as Horovod's ``ScaleBuffer``
+      (a C conversion from double, which truncates toward zero): Average of
+      ``[3]`` and ``[4]`` on 2 ranks is ``[3]``, of ``[-3]`` and ``[-4]`` is ``[-3]``;
+    * bool: ``x * factor != 0``.
+    """
+    factor = float(factor)
+    if factor == 1.0:
+        return tensor
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.mul_(factor)
+    if tensor.dtype == torch.bool:
+        if factor == 0.0:
+            tensor.zero_()
+        return tensor
+    scaled = tensor.to(torch.float64).mul_(factor).trunc_()
+    return tensor.copy_(scaled.to(tensor.dtype))
+
+
 class Work(abc.ABC):
     """Handle of an asynchronous collective."""
 

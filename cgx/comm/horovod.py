@@ -36,7 +36,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from cgx.comm.base import ReduceOp, Transport, Work
+from cgx.comm.base import ReduceOp, Transport, Work, scale_
 from cgx.errors import CGXError, CollectiveMismatchError, MissingDependencyError
 
 # Element types horovod.torch 0.28.1 registers per collective (CPU tensors).
@@ -233,11 +233,8 @@ class HorovodTransport(Transport):
 
         def then(_result):
             if op is ReduceOp.AVERAGE:
-                # Sum, then divide: the same bits as cgx's other transports.
-                if buf.is_floating_point():
-                    buf.div_(self.size)
-                else:
-                    buf.floor_divide_(self.size)
+                # Sum, then scale by cgx's one rule: the same bits on every transport.
+                scale_(buf, 1.0 / self.size)
             if buf is not tensor:
                 tensor.copy_(buf)
 

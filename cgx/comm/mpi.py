@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from cgx.comm.base import ReduceOp, Transport, Work
+from cgx.comm.base import ReduceOp, Transport, Work, scale_
 from cgx.errors import MissingDependencyError
 
 _TAG = 0x6367  # tag of sendrecv messages ("cg")
@@ -212,10 +212,8 @@ class MPITransport(Transport):
 
         def then():
             if op is ReduceOp.AVERAGE:
-                if buf.is_floating_point():
-                    buf.div_(self.size)
-                else:
-                    buf.floor_divide_(self.size)
+                # Sum, then scale by cgx's one rule: the same bits on every transport.
+                scale_(buf, 1.0 / self.size)
             if buf.data_ptr() != tensor.data_ptr():
                 tensor.copy_(buf)
 

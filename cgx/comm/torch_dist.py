@@ -6,12 +6,16 @@ user did with ``torch.distributed.init_process_group``).
 
 from __future__ import annotations
 
+import datetime
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from cgx.comm.base import ReduceOp, Transport, Work
+from cgx.comm.base import ReduceOp, Transport, Work, scale_
+
+# Gloo has no int16 kernels ("Invalid scalar type"): reduce a wider copy, move raw bytes.
+_REDUCE_VIA = {torch.int16: torch.int32}
 
 _OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -50,14 +54,17 @@ class TorchTransport(Transport):
         device: device of the tensors this transport takes; default ``cuda``
             (current device) for NCCL groups, else ``cpu``.
         owns_group: ``close()`` destroys ``group`` (a group made for this transport).
+        timeout_s: timeout of the sub-groups ``split()`` creates (None: torch's default).
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device | str] = None, owns_group: bool = False):
+                 device: Optional[torch.device | str] = None, owns_group: bool = False,
+                 timeout_s: Optional[float] = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("TorchTransport needs an initialized torch.distributed process "
                                "group: call cgx.init() or torch.distributed.init_process_group()")
         self.group = group
+        self.timeout_s = timeout_s
         self.owns_group = owns_group and group is not None
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -79,32 +86,37 @@ class TorchTransport(Transport):
         return _TorchWork([work]) if async_op else None
 
     def allreduce(self, tensor, op=ReduceOp.SUM, async_op=False):
+        # Gloo has no AVG, and NCCL's AVG would differ from Gloo's sum/size in the
+        # last bit: every backend sums, then scales by cgx's one rule (scale_).
         if op is ReduceOp.AVERAGE:
-            # Gloo has no AVG; NCCL's AVG would differ from Gloo's sum/size in the last bit,
-            # so every backend sums and divides here.
-            work = dist.all_reduce(tensor, dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+            top = dist.ReduceOp.SUM
+        else:
+            try:
+                top = _OPS[op]
+            except KeyError:
+                raise ValueError(f"unsupported reduce op {op!r}; expected a cgx ReduceOp") \
+                    from None
+        via = _REDUCE_VIA.get(tensor.dtype)
+        buf = tensor if via is None else tensor.to(via)  # hidden cost: a converted copy
+        work = dist.all_reduce(buf, top, group=self.group, async_op=async_op)
 
-            def _avg():
-                if tensor.is_floating_point():
-                    tensor.div_(self.size)
-                else:
-                    tensor.floor_divide_(self.size)
+        def then():
+            if op is ReduceOp.AVERAGE:
+                scale_(buf, 1.0 / self.size)
+            if buf is not tensor:
+                tensor.copy_(buf)
 
-            if async_op:
-                return _TorchWork([work], then=_avg)
-            _avg()
-            return None
-        try:
-            top = _OPS[op]
-        except KeyError:
-            raise ValueError(f"unsupported reduce op {op!r}; expected a cgx ReduceOp") from None
-        work = dist.all_reduce(tensor, top, group=self.group, async_op=async_op)
-        return _TorchWork([work]) if async_op else None
+        if async_op:
+            return _TorchWork([work], then=then)
+        then()
+        return None
 
     def broadcast(self, tensor, root, async_op=False):
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast root={root} is not a rank of this group (size {self.size})")
-        work = dist.broadcast(tensor, group=self.group, group_src=root, async_op=async_op)
+        buf = tensor.view(torch.uint8) if tensor.dtype in _REDUCE_VIA and \
+            tensor.is_contiguous() else tensor
+        work = dist.broadcast(buf, group=self.group, group_src=root, async_op=async_op)
         return _TorchWork([work]) if async_op else None
 
     def sendrecv(self, send, dst, recv, src, async_op=False):
@@ -132,15 +144,17 @@ class TorchTransport(Transport):
             raise ValueError(f"split groups {list(map(list, groups))} must partition ranks "
                              f"0..{self.size - 1} exactly once")
         mine = None
+        timeout = None if self.timeout_s is None else datetime.timedelta(seconds=self.timeout_s)
         for g in groups:
             if self.group is None:
                 # World group: every rank creates every subgroup, in the same order
                 # (torch.distributed's requirement; names come from a shared counter).
-                pg = dist.new_group(ranks=list(g))
+                pg = dist.new_group(ranks=list(g), timeout=timeout)
                 if self.rank in g:
                     mine = pg
             elif self.rank in g:
                 # Sub-group: only members take part (non-members never call).
                 global_ranks = [dist.get_global_rank(self.group, r) for r in g]
-                mine = dist.new_group(ranks=global_ranks, use_local_synchronization=True)
-        return TorchTransport(mine, self.device, owns_group=True)
+                mine = dist.new_group(ranks=global_ranks, use_local_synchronization=True,
+                                      timeout=timeout)
+        return TorchTransport(mine, self.device, owns_group=True, timeout_s=self.timeout_s)

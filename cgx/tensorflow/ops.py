@@ -166,7 +166,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
         shape = tf.TensorShape([None]).concatenate(x.shape[1:])
 
     def body(a):
-        return [to_tf(session.run(allgather_rows, to_torch(a), label=name))]
+        return [to_tf(session.run(allgather_rows, to_torch(a), name, label=name))]
 
     @tf.custom_gradient
     def forward(a):
@@ -200,7 +200,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
 
     def body(a):
         t = to_torch(a)
-        return [to_tf(session.run(broadcast_tensor, t, root_rank, torch.empty_like(t),
+        return [to_tf(session.run(broadcast_tensor, t, root_rank, torch.empty_like(t), name,
                                   label=name))]
 
     @tf.custom_gradient
@@ -233,7 +233,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 
     def body(a, *rest):
         sp = to_torch(rest[0]).tolist() if rest else None
-        out, received = session.run(alltoall_rows, to_torch(a), sp, label=name)
+        out, received = session.run(alltoall_rows, to_torch(a), sp, name, label=name)
         return [to_tf(out), to_tf(received)]
 
     @tf.custom_gradient
@@ -295,7 +295,7 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     values = [tf.convert_to_tensor(v) for v in variables]
     def body(*xs):
         ts = [copy_to_torch(x) for x in xs]  # broadcast in place: into copies, never TF memory
-        session.run(broadcast_tensors, ts, root_rank, label="broadcast_variables")
+        session.run(broadcast_tensors, ts, root_rank, "broadcast_variables", label="broadcast_variables")
         return [to_tf(t) for t in ts]
 
     new = run_collective(body, values, [v.dtype for v in values], [v.shape for v in values],

@@ -120,8 +120,5 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     if bucket.is_last():
         state.iteration += 1
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    if red._engine is None:
-        from cgx.collectives.engine import Engine
-        red._engine = Engine(red.transport.device)
-    red._engine.submit(_reduce, (state, bucket, fut, step), label=f"ddp.bucket{bucket.index()}")
+    red.engine().submit(_reduce, (state, bucket, fut, step), label=f"ddp.bucket{bucket.index()}")
     return fut

@@ -30,7 +30,8 @@ def broadcast_parameters(params, root_rank: int) -> None:
                              "e.g. model.state_dict() or model.named_parameters()")
     tensors = [t for _, t in items if isinstance(t, torch.Tensor)]
     if runtime.size() > 1 and tensors:
-        session.run(broadcast_tensors, tensors, root_rank, label="broadcast_parameters")
+        session.run(broadcast_tensors, tensors, root_rank, "broadcast_parameters",
+                    label="broadcast_parameters")
 
 
 def _split_tensors(tree, out: list):
@@ -61,21 +62,53 @@ def broadcast_optimizer_state(optimizer, root_rank: int) -> None:
 
     The structure travels pickled; the tensors (moments, step counters) travel
     as fused broadcasts. Works for a ``DistributedOptimizer`` or a plain one.
+
+    cgx's shared state travels too (step counters, PowerSGD's warm-start
+    matrices, which are the same on every rank); per-rank state does not:
+    each rank keeps its own error-feedback residuals (what its own
+    compression left out). So "rank 0 loads a checkpoint, then broadcast"
+    resumes with rank 0's residuals on rank 0 and the others' current ones
+    (zeros in a fresh process). For a bit-exact resume with error feedback,
+    save ``optimizer.state_dict()`` on every rank and load each rank's own.
     """
     if runtime.size() == 1:
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    local = optimizer.state_dict()
     tensors: list = []
-    structure = _split_tensors(optimizer.state_dict(), tensors)
+    structure = _split_tensors(_without_per_rank(local), tensors)
     structure = broadcast_object(structure if runtime.rank() == root_rank else None, root_rank)
     if runtime.rank() != root_rank:
         tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device=device)
                    for _, _, shape, dtype, device in _placeholders(structure)]
     if tensors:
-        session.run(broadcast_tensors, tensors, root_rank, label="broadcast_optimizer_state")
-    optimizer.load_state_dict(_join_tensors(structure, tensors))
+        session.run(broadcast_tensors, tensors, root_rank, "broadcast_optimizer_state",
+                    label="broadcast_optimizer_state")
+    optimizer.load_state_dict(_with_per_rank(_join_tensors(structure, tensors), local))
+
+
+# State under these keys belongs to one rank (error-feedback residuals: what *this*
+# rank's compression dropped); broadcasting it would make every rank re-send rank 0's.
+PER_RANK_KEYS = ("residuals",)
+_PER_RANK = "__cgx_per_rank__"
+
+
+def _without_per_rank(tree):
+    if isinstance(tree, dict):
+        return {k: (_PER_RANK if k in PER_RANK_KEYS else _without_per_rank(v))
+                for k, v in tree.items()}
+    return tree
+
+
+def _with_per_rank(tree, local):
+    """Put this rank's own per-rank entries (from ``local``) back where they were left out."""
+    if isinstance(tree, dict):
+        local = local if isinstance(local, dict) else {}
+        return {k: (local.get(k, {}) if v == _PER_RANK else _with_per_rank(v, local.get(k)))
+                if isinstance(v, (dict, str)) else v for k, v in tree.items()}
+    return tree
 
 
 def _placeholders(tree) -> list:

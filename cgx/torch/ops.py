@@ -20,7 +20,8 @@ import torch
 from cgx import runtime, session
 from cgx.comm.base import ReduceOp
 from cgx.collectives.functional import (Average, allgather_rows, alltoall_rows,
-                                        broadcast_tensor, check_process_set, global_process_set,
+                                        broadcast_tensor, check_process_set, check_root,
+                                        global_process_set,
                                         op_name, reduce_tensors, reducescatter_rows, resolve_op)
 from cgx.compression import Compression
 
@@ -141,13 +142,14 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name):
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        return session.run(allgather_rows, tensor, label=name)
+        ctx.name = name
+        return session.run(allgather_rows, tensor, name, label=name)
 
     @staticmethod
     def backward(ctx, grad):
         summed = session.run(reduce_tensors, [grad.contiguous()], ReduceOp.SUM, 1.0, 1.0,
                              "allgather.grad", None)[0]
-        rows = session.run(allgather_rows, torch.tensor([ctx.rows]))
+        rows = session.run(allgather_rows, torch.tensor([ctx.rows]), ctx.name + ".grad.rows")
         start = int(rows[: runtime.rank()].sum().item())
         return summed[start: start + ctx.rows].view_as(grad[: ctx.rows]) if grad.dim() else \
             summed[runtime.rank()], None
@@ -156,7 +158,8 @@ class _Allgather(torch.autograd.Function):
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start gathering every rank's ``tensor`` along dim 0 (first dims may differ)."""
     check_process_set(process_set)
-    return session.submit(allgather_rows, tensor, label=op_name(name, "allgather"))
+    name = op_name(name, "allgather")
+    return session.submit(allgather_rows, tensor, name, label=name)
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -169,7 +172,9 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name):
         ctx.root_rank = root_rank
-        return session.run(broadcast_tensor, tensor, root_rank, torch.empty_like(tensor), label=name)
+        check_root(root_rank, runtime.size())
+        return session.run(broadcast_tensor, tensor, root_rank, torch.empty_like(tensor), name,
+                           label=name)
 
     @staticmethod
     def backward(ctx, grad):
@@ -180,8 +185,10 @@ class _Broadcast(torch.autograd.Function):
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
     check_process_set(process_set)
-    return session.submit(broadcast_tensor, tensor, root_rank, torch.empty_like(tensor),
-                          label=op_name(name, "broadcast"))
+    check_root(root_rank, runtime.size())
+    name = op_name(name, "broadcast")
+    return session.submit(broadcast_tensor, tensor, root_rank, torch.empty_like(tensor), name,
+                          label=name)
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
@@ -192,8 +199,9 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
     check_process_set(process_set)
-    return session.submit(broadcast_tensor, tensor, root_rank, tensor,
-                          label=op_name(name, "broadcast"))
+    check_root(root_rank, runtime.size())
+    name = op_name(name, "broadcast")
+    return session.submit(broadcast_tensor, tensor, root_rank, tensor, name, label=name)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
@@ -203,9 +211,10 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     check_process_set(process_set)
-    return session.submit(lambda: alltoall_rows(tensor, splits)
-                          if splits is not None else alltoall_rows(tensor, None)[0],
-                          label=op_name(name, "alltoall"))
+    name = op_name(name, "alltoall")
+    return session.submit(lambda: alltoall_rows(tensor, splits, name)
+                          if splits is not None else alltoall_rows(tensor, None, name)[0],
+                          label=name)
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
@@ -249,7 +258,7 @@ def poll(handle) -> bool:
 
 def synchronize(handle) -> Any:
     """Wait for ``handle`` and return the operation's result."""
-    return handle.wait(runtime.config().timeout_s)
+    return handle.wait(session.wait_timeout())
 
 
 def barrier(process_set=global_process_set) -> None:

@@ -27,6 +27,7 @@ turns it off), with per-layer rules from ``rules=`` or
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import warnings
@@ -37,8 +38,9 @@ import torch
 
 from cgx import runtime
 from cgx.comm.base import ReduceOp
+from cgx.comm.consistency import Signature, describe, signature
 from cgx.compression import Compression, as_compressor
-from cgx.errors import CGXError
+from cgx.errors import CGXError, CollectiveMismatchError
 from cgx.grad_plan import GradientPlan, GradMode  # noqa: F401 - GradMode: part of the API
 from cgx import session
 from cgx.collectives.functional import Average, Sum, check_process_set, global_process_set
@@ -49,6 +51,17 @@ FIRST_BUCKET_BYTES = 1 << 20  # small first bucket: its reduction starts early i
 
 _registry: "weakref.WeakValueDictionary[int, DistributedOptimizer]" = weakref.WeakValueDictionary()
 _registry_ids = iter(range(1, 1 << 62))
+# id(parameter) -> (weakref to it, registry id of the optimizer whose hook it carries, hook
+# handle). A parameter reports its gradient to one DistributedOptimizer: a new one over the
+# same model (a notebook re-run, a new learning rate) takes it over and removes the old hook.
+_owners: dict = {}
+
+
+def _grad_hook(opt_ref, generation: int, p: torch.Tensor) -> None:
+    """Post-accumulate-grad hook; holds the optimizer weakly, so a dropped one is released."""
+    opt = opt_ref()
+    if opt is not None:
+        opt._on_grad(p, generation)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -165,7 +178,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if cfg is None:
             raise CGXError("DistributedOptimizer needs cgx.torch.init() to be called first")
         self._config = cfg
-        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        groups = self.__dict__["param_groups"]
+        self._trainable = tuple(p.requires_grad for g in groups for p in g["params"])
+        params = [p for g in groups for p in g["params"] if p.requires_grad]
         for p in params:
             if id(p) not in self._names:
                 self._names[id(p)] = f"allreduce.noname.{len(self._names)}"
@@ -185,13 +200,65 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for b, idx in enumerate(self._buckets):
             for i in idx:
                 self._bucket_of[i] = b
-        self._lock = threading.Lock()
+        if not hasattr(self, "_lock"):
+            self._lock = threading.RLock()
         self._reset_step_state()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._generation = getattr(self, "_generation", 0) + 1
+        self._remove_hooks()
+        ref = weakref.ref(self)
+        self._hooks = []
+        for p in params:
+            old = _owners.get(id(p))
+            if old is not None and old[0]() is p and old[1] != self._registry_id:
+                old[2].remove()  # another DistributedOptimizer had this parameter
+            h = p.register_post_accumulate_grad_hook(
+                functools.partial(_grad_hook, ref, self._generation))
+            _owners[id(p)] = (weakref.ref(p), self._registry_id, h)
+            self._hooks.append(h)
         self._should_sync = True
         self._synchronized = False
+        self._auto_synced = False
         self.timing: dict[str, Any] = {}  # last step's launch/start/end times (tests, timeline)
+        self._signature = self._make_signature()
+        self._digest = self._signature.digest()
         _registry[self._registry_id] = self
+
+    def _remove_hooks(self) -> None:
+        for h in getattr(self, "_hooks", ()):
+            h.remove()
+        self._hooks = []
+
+    def _make_signature(self) -> Signature:
+        """What every rank's step must agree on: the parameters, buckets and compression."""
+        plan = self._plan
+        return signature("DistributedOptimizer step", f"DistributedOptimizer #{self._registry_id}",
+                         names=plan.names, shapes=plan.shapes,
+                         dtypes=[p.dtype for p in self._params], buckets=self._buckets,
+                         compression=self._compression, mode=plan.mode.value,
+                         specs=plan.specs, op=self._op, predivide=self._predivide,
+                         backward_passes_per_step=self._bpps)
+
+    def _trainable_changed(self) -> bool:
+        """Did parameters get frozen or unfrozen since the buckets were built?"""
+        return tuple(p.requires_grad for g in self.__dict__["param_groups"]
+                     for p in g["params"]) != self._trainable
+
+    @property
+    def param_groups(self) -> list:
+        """The wrapped optimizer's parameter groups.
+
+        Reading them while this step's gradients are still being reduced (as
+        ``GradScaler.unscale_``/``GradScaler.step`` do) first finishes the
+        exchange, so nobody reads a gradient in flight.
+        """
+        if self.__dict__.get("_handles") and threading.current_thread().name != "cgx-engine":
+            self.synchronize()
+            self._auto_synced = True
+        return self.__dict__["param_groups"]
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        self.__dict__["param_groups"] = value
 
     def _make_buckets(self, params, cap_bytes) -> list[list[int]]:
         if self._user_groups is not None:
@@ -225,11 +292,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- backward hooks ------------------------------------------------------------
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        i = self._index.get(id(p))
-        if i is None:
-            return
+    def _on_grad(self, p: torch.Tensor, generation: int) -> None:
         with self._lock:
+            owner = _owners.get(id(p))
+            if generation != self._generation or owner is None or \
+                    owner[1] != self._registry_id:
+                return  # a hook of an older layout, or another optimizer owns p now
+            if self._next == 0 and not self._handles and not any(self._counts):
+                # The first gradient of a step: a new step begins.
+                self._synchronized = self._auto_synced = False
+                if self._trainable_changed():
+                    # Parameters were frozen or unfrozen since the last step: new buckets
+                    # (the same on every rank, which freeze the same way).
+                    self._setup()
+            i = self._index.get(id(p))
+            if i is None:
+                return
             c = self._counts[i] + 1
             if c > self._bpps:
                 raise CGXError(f"gradients of '{self._names[id(p)]}' were computed more than "
@@ -253,7 +331,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if status and runtime.size() > 1:
                 # One tiny collective per step lets ranks that called join() follow.
                 self._handles.append(session.submit(_status_exchange, self._registry_id,
-                                                    label="join-status"))
+                                                    self._signature, label="step-status"))
         grads = []
         for i in self._buckets[b]:
             p = self._params[i]
@@ -308,6 +386,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Call it before gradient clipping, then step inside ``skip_synchronize()``.
         """
         with self._lock:
+            if self._next == 0 and not self._handles and self._trainable_changed():
+                self._setup()  # frozen/unfrozen since the last step, and no hook has fired
             while self._next < len(self._buckets):
                 self._launch(self._next)
                 self._next += 1
@@ -315,7 +395,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._handles = []
         try:
             for h in handles:
-                h.wait(self._config.timeout_s)
+                h.wait(session.wait_timeout())
         finally:
             self._reset_step_state()
         self._synchronized = True
@@ -332,14 +412,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Synchronize (unless inside ``skip_synchronize()``) and run the wrapped optimizer."""
         if self._should_sync:
-            if self._synchronized:
+            if self._synchronized and not self._auto_synced:
                 warnings.warn("optimizer.step() was called after optimizer.synchronize() "
                               "without optimizer.skip_synchronize(); the gradients are not "
                               "reduced twice, but wrap step() in skip_synchronize() to say so",
                               stacklevel=2)
             else:
                 self.synchronize()
-        self._synchronized = False
+        self._synchronized = self._auto_synced = False
         self._step_count += 1
         return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
 
@@ -350,6 +430,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                            "still being reduced. Call zero_grad() before backward() or after "
                            "step()")
         self._optimizer.zero_grad(set_to_none=set_to_none)
+        self._synchronized = self._auto_synced = False
 
     def add_param_group(self, param_group: dict) -> None:
         """Add parameters (the same on every rank, in the same order)."""
@@ -357,8 +438,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise CGXError("add_param_group() during a step: call it before backward()")
         self._optimizer.add_param_group(param_group)
         if hasattr(self, "_hooks"):
-            for h in self._hooks:
-                h.remove()
             self._setup()
 
     def state_dict(self) -> dict:
@@ -424,16 +503,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._launch(b, zeros=True, status=False)
             handles, self._handles = self._handles, []
         for h in handles:
-            h.wait(self._config.timeout_s)
+            h.wait(session.wait_timeout())
         self._reset_step_state()
 
 
-def _status_exchange(opt_id: int, joined: bool = False) -> int:
-    """Per-step status collective: the largest optimizer id stepping now (0: everyone joined)."""
+_NEUTRAL = -(1 << 62)  # what a joined rank contributes to the layout digests
+
+
+def _status_exchange(opt_id: int, sig: "Signature | None" = None) -> int:
+    """Per-step status collective: the largest optimizer id stepping now (0: everyone joined).
+
+    It also checks, at no extra cost, that every stepping rank has the same bucket
+    layout: each adds ``[digest, -digest]`` to the same MAX allreduce (a joined
+    rank, with no step of its own, adds neutral values). On a difference every
+    rank raises the same :class:`CollectiveMismatchError`, naming what differs.
+    """
     tr = session.reducer().transport
-    t = torch.tensor([0 if joined else opt_id], dtype=torch.int64, device=tr.device)
+    d = sig.digest() if sig is not None else None
+    t = torch.tensor([opt_id, _NEUTRAL if d is None else d, _NEUTRAL if d is None else -d],
+                     dtype=torch.int64, device=tr.device)
     tr.allreduce(t, ReduceOp.MAX)
-    return int(t.item())
+    hi, lo = int(t[1]), -int(t[2])
+    if hi != _NEUTRAL and hi != lo and runtime.config().check_consistency:
+        sigs = tr.allgather_object(sig)
+        raise CollectiveMismatchError(describe(sigs), recoverable=False)
+    return int(t[0])
 
 
 def join_world() -> int:
@@ -446,7 +540,7 @@ def join_world() -> int:
         return 0
     shadowed = 0
     while True:
-        active = session.run(_status_exchange, 0, True, label="join-status")
+        active = session.run(_status_exchange, 0, None, label="step-status")
         if active == 0:
             break
         opt = _registry.get(active)

@@ -42,6 +42,7 @@ from cgx.tensorflow import (Average, Compression, Max, Min, Product, Sum, allgat
                             shutdown, size, stats)
 from cgx.tensorflow.keras import callbacks
 from cgx.tensorflow.keras.optimizer import DistributedOptimizer
+from cgx.tensorflow.keras.loss_scale import LossScaleOptimizer
 
 
 def _eval(value):
@@ -108,5 +109,5 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "stats", "Average", "Sum", "Min", "Max", "Product", "Compression",
     "allreduce", "allgather", "broadcast", "barrier", "broadcast_variables", "broadcast_object",
-    "allgather_object", "DistributedOptimizer", "load_model", "callbacks",
+    "allgather_object", "DistributedOptimizer", "LossScaleOptimizer", "load_model", "callbacks",
 ]

@@ -41,6 +41,10 @@ def _check_int(value, what: str, low: int) -> int:
     return int(value)
 
 
+# Optimizer variables that are per-rank state (DistributedOptimizer's gradient accumulators).
+_PER_RANK = ("cgx_accumulator", "cgx_pending_passes")
+
+
 def _innermost(optimizer):
     while getattr(optimizer, "inner_optimizer", None) is not None:
         optimizer = optimizer.inner_optimizer
@@ -50,9 +54,10 @@ def _innermost(optimizer):
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Broadcast the model's variables and the optimizer's state from ``root_rank``.
 
-    Runs when training starts (Keras 3 builds the optimizer before that); if
-    the optimizer is not built yet then, after the first batch instead, as
-    Horovod does.
+    Runs when training starts: the optimizer is built first if the model is
+    (Keras 3 would build it at the first batch). Only for a model that is not
+    built before ``fit`` does it run after the first batch, as Horovod does.
+    Per-rank state (gradient accumulators) is not broadcast.
 
     Args:
         root_rank: the rank whose values every rank takes.
@@ -69,13 +74,22 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
                      if not str(getattr(v, "path", "")).endswith(_RNG_STATE_SUFFIX)]
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and optimizer.built:
-            variables += list(optimizer.variables)
+            # Gradient accumulators hold this rank's own partial sums: never copied.
+            variables += [v for v in optimizer.variables
+                          if not any(k in str(getattr(v, "path", v.name)) for k in _PER_RANK)]
         broadcast_variables(variables, self.root_rank)
         self.broadcast_done = True
 
     def on_train_begin(self, logs=None):
+        if self.broadcast_done:
+            return
         optimizer = getattr(self.model, "optimizer", None)
-        if not self.broadcast_done and (optimizer is None or optimizer.built):
+        if optimizer is not None and not optimizer.built and self.model.built and \
+                self.model.trainable_variables:
+            # Keras 3 (without a tf.distribute strategy) builds the optimizer at the
+            # first batch; build it now so its state is broadcast before training.
+            optimizer.build(self.model.trainable_variables)
+        if optimizer is None or optimizer.built:
             self._broadcast()
 
     def on_train_batch_end(self, batch, logs=None):

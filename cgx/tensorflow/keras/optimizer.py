@@ -61,12 +61,30 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
     """
 
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        # Mixed precision: Keras would wrap this optimizer in its own LossScaleOptimizer,
+        # whose per-rank overflow check makes one rank skip the exchange the others wait
+        # in. Return cgx's LossScaleOptimizer around a DistributedOptimizer instead.
+        from cgx.tensorflow.keras.loss_scale import LossScaleOptimizer
+        if cls is DistributedOptimizer and not kwargs.pop("_no_loss_scale", False):
+            if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+                inner = DistributedOptimizer(optimizer.inner_optimizer, *args,
+                                             _no_loss_scale=True, **kwargs)
+                return LossScaleOptimizer(inner, initial_scale=float(
+                    optimizer.dynamic_scale.numpy()),
+                    dynamic_growth_steps=optimizer.dynamic_growth_steps)
+            if keras.config.dtype_policy().name == "mixed_float16" and \
+                    isinstance(optimizer, keras.optimizers.Optimizer):
+                return LossScaleOptimizer(DistributedOptimizer(optimizer, *args,
+                                                               _no_loss_scale=True, **kwargs))
+        return super().__new__(cls)
+
     def __init__(self, optimizer, name=None, compression=Compression.none,
                  sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
                  op=Average, backward_passes_per_step: int = 1,
                  average_aggregated_gradients: bool = False, *, rules=None,
                  device_dense: str = "", device_sparse: str = "",
-                 process_set=global_process_set):
+                 process_set=global_process_set, _no_loss_scale: bool = False):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("this optimizer is already a DistributedOptimizer; wrap it once")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -91,9 +109,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._op = op
         self._bpps = backward_passes_per_step
         self._average_aggregated = average_aggregated_gradients
-        self._rules = rules
-        self._exchange = GradientExchange(compression, op, gradient_predivide_factor, rules,
-                                          label=self.name)
+        # Plain copies: Keras's attribute tracking wraps containers assigned to it.
+        self._rules = _plain(rules)
+        self._exchange = GradientExchange(compression, op, gradient_predivide_factor,
+                                          _plain(rules), label=self.name)
         # Set last: attribute reads fall through to the wrapped optimizer from here on.
         self.inner_optimizer = optimizer
 
@@ -226,7 +245,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                                                       custom_objects=custom_objects)
         config["compression"] = compression_from_config(config.get("compression"))
         config["op"] = ReduceOp(config.get("op", "average"))
-        return cls(inner, **config)
+        return cls(inner, _no_loss_scale=True, **config)
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.inner_optimizer).__name__}, "
