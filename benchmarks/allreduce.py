@@ -26,6 +26,8 @@ import sys
 import time
 from typing import Any
 
+from cgx.console import progress
+
 METHODS = {
     # name: (kind, bits, algorithm)
     "gloo-fp32": ("gloo", 32, None),
@@ -179,12 +181,11 @@ def main(argv=None) -> int:
     sizes = [float(s) for s in args.sizes.split(",")]
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tqdm import tqdm
 
     from benchmarks.netsim import NetnsUnavailable, SlowNetwork
 
     results = []
-    bar = tqdm(total=len(rates) * len(sizes), desc="allreduce", unit="point")
+    bar = progress(total=len(rates) * len(sizes), desc="allreduce", unit="point")
     try:
         for rate in rates:
             for size in sizes:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
+from cgx.console import progress
 
 from cgx.compression import cpu, wire
 from cgx.kernels import reference
@@ -111,7 +111,7 @@ def run_cpu(args) -> list[dict]:
     cases = list(_cases(args.bits))
     total = len(thread_settings) * (1 + 2 * len(cases))
     records = []
-    with tqdm(total=total, desc="kernels", unit="run", file=sys.stderr) as bar:
+    with progress(total=total, desc="kernels", unit="run") as bar:
         for threads in thread_settings:
             torch.set_num_threads(threads)
             dst = torch.empty_like(x)
@@ -140,7 +140,7 @@ def run_cuda(args) -> list[dict]:
     sync = torch.cuda.synchronize
     cases = list(_cases(args.bits))
     records = []
-    with tqdm(total=1 + len(cases), desc="kernels", unit="run", file=sys.stderr) as bar:
+    with progress(total=1 + len(cases), desc="kernels", unit="run") as bar:
         memcpy = lambda: dst.copy_(x)  # noqa: E731
         t, _ = _time(memcpy, args.reps, sync)
         records.append(dict(op="memcpy", bits=None, rounding="-", impl="torch", threads=0,

@@ -26,6 +26,8 @@ import sys
 import time
 from typing import Any
 
+from cgx.console import progress
+
 METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "cgx-ddp-hook", "cgx-optimizer"]
 VGG11 = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
 
@@ -130,12 +132,11 @@ def main(argv=None) -> int:
         p.error(f"unknown method(s) {bad}; choose from {METHODS}")
     rate = None if args.rate.lower() == "none" else args.rate
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tqdm import tqdm
 
     from benchmarks.netsim import NetnsUnavailable, RankFailedError, SlowNetwork
 
     results = []
-    for method in tqdm(methods, desc="training", unit="method"):
+    for method in progress(methods, desc="training", unit="method"):
         try:
             with SlowNetwork(n_ranks=2, rate=rate) as net:
                 res = net.run_function("benchmarks.training:rank_main",

@@ -91,6 +91,8 @@ class RunSpec:
     master_port: int = DEFAULT_MASTER_PORT
     mpi_args: tuple[str, ...] = ()
     dry_run: bool = False
+    tag_output: bool = True  # prefix each line with its rank ("[1]<stdout>:")
+    output_filename: Optional[str] = None  # per-rank logs: DIR/rank.<r>/{stdout,stderr}
 
     def assignment(self) -> list[tuple[str, int]]:
         """(host, ranks) per host: ``-H`` slots filled in order up to ``num_proc``."""
@@ -159,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--gloo with several hosts: rendezvous port on the first host "
                         f"(default {DEFAULT_MASTER_PORT})")
     p.add_argument("--mpi-args", metavar="'ARGS'", help="extra arguments for mpirun (quoted)")
+    p.add_argument("--output-filename", metavar="DIR",
+                   help="also write each rank's output to DIR/rank.<r>/stdout and stderr")
+    p.add_argument("--no-tag-output", dest="tag_output", action="store_false",
+                   help="do not prefix each output line with its rank (default: "
+                        "'[<rank>]<stdout>:', as horovodrun and mpirun --tag-output)")
     p.add_argument("--dry-run", action="store_true",
                    help="print what would be run, and exit")
     p.add_argument("--help-env", action="store_true",
@@ -230,7 +237,8 @@ def spec_from_namespace(ns: argparse.Namespace) -> RunSpec:
                    timeline_filename=ns.timeline_filename, verbose=ns.verbose,
                    start_timeout=ns.start_timeout, network_interface=ns.network_interface,
                    node_rank=ns.node_rank, master_port=ns.master_port,
-                   mpi_args=tuple(shlex.split(ns.mpi_args or "")), dry_run=ns.dry_run)
+                   mpi_args=tuple(shlex.split(ns.mpi_args or "")), dry_run=ns.dry_run,
+                   tag_output=ns.tag_output, output_filename=ns.output_filename)
     if ns.node_rank is not None:
         if mode == "mpi":
             raise UsageError("--node-rank is for --gloo runs on several hosts; with --mpi, "
@@ -266,7 +274,28 @@ def worker_env(spec: RunSpec, base: Mapping[str, str]) -> dict[str, str]:
         env["OMP_NUM_THREADS"] = "1"
     if "PYTHONUNBUFFERED" not in base:
         env["PYTHONUNBUFFERED"] = "1"  # rank output shows up as it is printed
+    if spec.mode == "gloo":
+        # Read by each worker's recorder (python -m cgx.run --_record-exit), which
+        # prefixes and copies the worker's output lines.
+        env[TAG_OUTPUT_VAR] = "1" if spec.tag_output else "0"
+        if spec.output_filename:
+            env[OUTPUT_DIR_VAR] = os.path.abspath(spec.output_filename)
+    # Workers' output goes through a pipe: tell them whether a person watches
+    # (progress bars are drawn only then, see cgx.console).
+    env[TTY_VAR] = "1" if _stderr_is_tty() else "0"
     return env
+
+
+TAG_OUTPUT_VAR = "CGXRUN_TAG_OUTPUT"
+OUTPUT_DIR_VAR = "CGXRUN_OUTPUT_DIR"
+TTY_VAR = "CGXRUN_TTY"
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return os.isatty(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def check_program(command: Sequence[str], env: Mapping[str, str]) -> None:
@@ -326,21 +355,37 @@ def _record_exit(record_dir: str, command: list[str]) -> int:
     exactly what the command did.
     """
     def die_with_parent():  # the command must not outlive a recorder killed by SIGKILL
+        default_signals()
         try:
             import ctypes
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
 
+    rank = os.environ.get("RANK", str(os.getpid()))
+    tag = os.environ.get(TAG_OUTPUT_VAR, "0") == "1"
+    log_dir = os.environ.get(OUTPUT_DIR_VAR)
+    pipe = subprocess.PIPE if tag or log_dir else None
     try:
-        proc = subprocess.Popen(command, preexec_fn=die_with_parent)
+        proc = subprocess.Popen(command, preexec_fn=die_with_parent, stdout=pipe, stderr=pipe)
     except OSError as e:
         print(f"cgxrun: cannot start {command[0]!r}: {e}", file=sys.stderr)
         proc, code = None, 127
     if proc is not None:
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, lambda signum, _f: proc.send_signal(signum))
+        pumps = []
+        if pipe is not None:
+            from cgx.console import LinePump
+            if log_dir:
+                os.makedirs(os.path.join(log_dir, f"rank.{rank}"), exist_ok=True)
+            for name, src, dst in (("stdout", proc.stdout, sys.stdout),
+                                   ("stderr", proc.stderr, sys.stderr)):
+                log = os.path.join(log_dir, f"rank.{rank}", name) if log_dir else None
+                pumps.append(LinePump(src, dst, f"[{rank}]<{name}>:" if tag else "", log))
         code = proc.wait()
+        for pump in pumps:
+            pump.join()
     if code != 0:
         rank = os.environ.get("RANK", str(os.getpid()))
         with open(os.path.join(record_dir, f"rank{rank}"), "w") as f:
@@ -482,6 +527,13 @@ def mpirun_command(spec: RunSpec, exported: Sequence[str], *, mpirun: str = "mpi
             cmd += ["-iface", nics.split(",")[0].strip()]
         if exported:
             cmd += ["-genvlist", ",".join(exported)]
+        if spec.tag_output:
+            cmd.append("-prepend-rank")
+        if spec.output_filename:
+            cmd += ["-outfile-pattern", os.path.join(os.path.abspath(spec.output_filename),
+                                                     "rank.%r.stdout"),
+                    "-errfile-pattern", os.path.join(os.path.abspath(spec.output_filename),
+                                                     "rank.%r.stderr")]
         return cmd + list(spec.mpi_args) + program
     cmd = [mpirun, "-np", str(spec.num_proc)]
     if hosts:
@@ -494,6 +546,10 @@ def mpirun_command(spec: RunSpec, exported: Sequence[str], *, mpirun: str = "mpi
     if nics:
         nics = ",".join(n.strip() for n in nics.split(",") if n.strip())
         cmd += ["--mca", "btl_tcp_if_include", nics, "--mca", "oob_tcp_if_include", nics]
+    if spec.tag_output:
+        cmd.append("--tag-output")
+    if spec.output_filename:
+        cmd += ["--output-filename", os.path.abspath(spec.output_filename)]
     for name in exported:
         cmd += ["-x", name]
     return cmd + list(spec.mpi_args) + program
@@ -522,8 +578,22 @@ def exported_names(env: Mapping[str, str], set_here: Mapping[str, str]) -> list[
     return sorted(names)
 
 
+def default_signals() -> None:
+    """In a child before exec: SIGINT/SIGTERM/SIGHUP back to their defaults.
+
+    A job started in the background (``cgxrun ... &``, CI runners) inherits
+    SIGINT as *ignored*; a Python worker would then never raise
+    KeyboardInterrupt and launchers could not stop it with SIGINT.
+    """
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(s, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+
+
 def _run_mpirun(cmd: list[str], env: dict[str, str]) -> int:
-    proc = subprocess.Popen(cmd, env=env)
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=default_signals)
 
     def forward(signum, _frame):
         proc.send_signal(signum)  # mpirun stops the ranks on SIGINT/SIGTERM

@@ -9,6 +9,7 @@ collectives identical on all ranks even while gradient buckets are in flight.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from typing import Any, Callable, Optional
 
@@ -46,6 +47,22 @@ def shutdown() -> None:
 def mpi_threads_supported() -> bool:
     """Horovod's query; cgx never hands MPI to the user's threads."""
     return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome-trace timeline to ``file_path`` (Horovod's ``hvd.start_timeline``).
+
+    Each rank writes its own file (``.rank<r>`` before the extension for ranks > 0).
+    ``mark_cycles`` is accepted for compatibility (cgx has no negotiation cycles).
+    """
+    if not isinstance(file_path, (str, os.PathLike)) or not str(file_path):
+        raise ValueError(f"file_path must be a non-empty path, got {file_path!r}")
+    reducer().timeline.start(os.fspath(file_path))
+
+
+def stop_timeline() -> None:
+    """Finish the timeline file (Horovod's ``hvd.stop_timeline``)."""
+    reducer().timeline.close()
 
 
 def stats():

@@ -12,7 +12,7 @@ import time
 
 import torch
 from sklearn.datasets import load_digits
-from tqdm import tqdm
+from cgx.console import progress
 
 import cgx.torch as hvd
 
@@ -58,9 +58,8 @@ def train(cfg: Config, compression, label: str):
     x, y, test_x, test_y = data(cfg)
     before = dataclasses.replace(hvd.stats())  # totals so far (copy)
     steps, step_time = 0, 0.0
-    epochs = range(cfg.epochs)
-    if hvd.rank() == 0:
-        epochs = tqdm(epochs, desc=f"{label:28s}", leave=False)
+    # A progress bar on rank 0, only when a person watches a terminal.
+    epochs = progress(range(cfg.epochs), desc=f"{label:28s}", leave=False)
     g = torch.Generator().manual_seed(cfg.seed + hvd.rank())
     for _ in epochs:
         order = torch.randperm(len(x), generator=g)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
+from cgx.console import progress
 
 import cgx.torch
 
@@ -48,7 +48,7 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
 
     g = torch.Generator().manual_seed(cfg.seed + rank)
-    for epoch in tqdm(range(cfg.epochs), disable=rank != 0, desc="epochs"):
+    for epoch in progress(range(cfg.epochs), desc="epochs"):
         order = torch.randperm(len(x), generator=g)
         for i in range(0, len(order) - cfg.batch_size + 1, cfg.batch_size):
             idx = order[i:i + cfg.batch_size]

@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 from sklearn.datasets import load_digits
-from tqdm import tqdm
+from cgx.console import progress
 
 import cgx.torch as hvd
 
@@ -66,7 +66,7 @@ def main():
     hvd.broadcast_optimizer_state(opt, root_rank=0)
 
     g = torch.Generator().manual_seed(cfg.seed + hvd.rank())
-    bar = tqdm(range(cfg.epochs), disable=hvd.rank() != 0, desc="epochs")
+    bar = progress(range(cfg.epochs), desc="epochs")
     for epoch in bar:
         order = torch.randperm(len(x), generator=g)
         for i in range(0, len(order) - cfg.batch_size + 1, cfg.batch_size):

@@ -9,6 +9,7 @@ code comes back while its sibling is stopped.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -148,7 +149,8 @@ def test_bad_cgx_variable_fails_before_launch(monkeypatch, capsys):
 
 # -- what the ranks get -------------------------------------------------------------------------
 
-def test_worker_env():
+def test_worker_env(monkeypatch):
+    monkeypatch.setattr(run, "_stderr_is_tty", lambda: False)
     spec = parse_args(["-np", "2", "--fusion-threshold-mb", "8.5", "--timeline-filename", "t.json",
                        "--verbose", "--start-timeout", "45", "--network-interface", "eth0, eth1",
                        "prog"])
@@ -156,11 +158,17 @@ def test_worker_env():
     assert env == {"CGX_FUSION_BUFFER_SIZE_MB": "8.5", "CGX_TIMELINE": "t.json",
                    "CGX_VERBOSE": "1", "CGX_START_TIMEOUT_S": "45",
                    "GLOO_SOCKET_IFNAME": "eth0,eth1", "NCCL_SOCKET_IFNAME": "eth0,eth1",
-                   "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+                   "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                   "CGXRUN_TAG_OUTPUT": "1", "CGXRUN_TTY": "0"}
     # The user's own settings win; one rank per host needs no thread limit.
     env = run.worker_env(parse_args(["-np", "2", "prog"]), {"OMP_NUM_THREADS": "4",
                                                            "PYTHONUNBUFFERED": "0"})
-    assert env == {}
+    assert env == {"CGXRUN_TAG_OUTPUT": "1", "CGXRUN_TTY": "0"}
+    monkeypatch.setattr(run, "_stderr_is_tty", lambda: True)
+    env = run.worker_env(parse_args(["-np", "2", "--no-tag-output", "--output-filename", "logs",
+                                     "prog"]), {"OMP_NUM_THREADS": "4", "PYTHONUNBUFFERED": "0"})
+    assert env == {"CGXRUN_TAG_OUTPUT": "0", "CGXRUN_TTY": "1",
+                   "CGXRUN_OUTPUT_DIR": os.path.abspath("logs")}
     assert "OMP_NUM_THREADS" not in run.worker_env(parse_args(["-np", "1", "prog"]), {})
 
 
@@ -204,14 +212,15 @@ def _spec(*argv):
 
 @pytest.mark.parametrize("argv,root,cores,want", [
     (["-np", "2", "python", "t.py"], False, 8,
-     "mpirun -np 2 --bind-to none --map-by slot -x CGX_A python -m mpi4py t.py"),
+     "mpirun -np 2 --bind-to none --map-by slot --tag-output -x CGX_A python -m mpi4py t.py"),
     (["-np", "4", "python", "t.py"], True, 2,
-     "mpirun -np 4 --bind-to none --map-by slot --allow-run-as-root --oversubscribe -x CGX_A "
+     "mpirun -np 4 --bind-to none --map-by slot --allow-run-as-root --oversubscribe "
+     "--tag-output -x CGX_A "
      "python -m mpi4py t.py"),
     (["-np", "4", "-H", "a:2,b:2", "--network-interface", "eth0", "--mpi-args", "--mca x y",
       "./prog", "arg"], False, 2,
      "mpirun -np 4 -H a:2,b:2 --bind-to none --map-by slot --mca btl_tcp_if_include eth0 "
-     "--mca oob_tcp_if_include eth0 -x CGX_A --mca x y ./prog arg"),
+     "--mca oob_tcp_if_include eth0 --tag-output -x CGX_A --mca x y ./prog arg"),
 ])
 def test_mpirun_command_open_mpi(argv, root, cores, want):
     cmd = run.mpirun_command(_spec(*argv), ["CGX_A"], cores=cores, is_root=root)
@@ -222,7 +231,7 @@ def test_mpirun_command_hydra():
     spec = _spec("-np", "4", "-H", "a:2,b:2", "--network-interface", "ib0,eth0", "python", "t.py")
     cmd = run.mpirun_command(spec, ["CGX_A", "PATH"], flavor="hydra", use_mpi4py=False)
     assert shlex.join(cmd) == ("mpirun -n 4 -hosts a:2,b:2 -iface ib0 -genvlist CGX_A,PATH "
-                               "python t.py")
+                               "-prepend-rank python t.py")
 
 
 @pytest.mark.parametrize("cmd,want", [
@@ -375,3 +384,57 @@ def test_killed_rank_gives_128_plus_signal():
     """, launcher="cgxrun-gloo", timeout=LAUNCH_TIMEOUT_S)
     assert not res.timed_out and res.returncode == 128 + signal.SIGKILL, res.tail()
     assert "rank 1 failed first" in res.stderr
+
+
+# -- what a person sees: rank-prefixed lines, per-rank logs, default signals --------------
+
+OUTPUT_PROG = r"""
+import os, signal, sys
+r = os.environ["RANK"]
+print("sigint-default", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+for i in range(3):
+    sys.stdout.write(f"progress {i}\r")
+    sys.stdout.flush()
+for i in range(300):
+    print(f"line {r} {i} " + "x" * 200)
+print(f"to stderr {r}", file=sys.stderr)
+"""
+
+
+@pytest.mark.multiproc
+def test_output_lines_are_prefixed_never_mixed_and_logged(tmp_path):
+    prog = tmp_path / "out.py"
+    prog.write_text(OUTPUT_PROG)
+    logs = tmp_path / "logs"
+    cmd = [*cgxrun_command(), "-np", "2", "--output-filename", str(logs),
+           sys.executable, str(prog)]
+    # Started as a background job would be: SIGINT ignored. The workers must still get
+    # the default disposition (so a launcher's SIGINT stops them).
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln]
+    pattern = re.compile(r"^\[(\d)\]<stdout>:(line (\d) \d+ x{200}|sigint-default True)$")
+    for ln in lines:
+        m = pattern.match(ln)
+        assert m, f"a mixed or unprefixed line: {ln[:120]!r}"
+        assert m.group(3) in (None, m.group(1))  # each line under its own rank's prefix
+    assert sum(ln.startswith("[0]<stdout>:line") for ln in lines) == 300
+    assert sum(ln.startswith("[1]<stdout>:line") for ln in lines) == 300
+    assert "\r" not in proc.stdout  # progress frames are not written into a non-terminal
+    assert "[1]<stderr>:to stderr 1" in proc.stderr
+    for r in (0, 1):
+        out = (logs / f"rank.{r}" / "stdout").read_text()
+        assert out.count(f"line {r} ") == 300 and "[" not in out.split("\n")[1]
+        assert (logs / f"rank.{r}" / "stderr").read_text() == f"to stderr {r}\n"
+
+
+def test_progress_bars_only_for_a_person(monkeypatch):
+    from cgx import console
+    monkeypatch.setenv("CGXRUN_TTY", "0")
+    assert console.progress(range(3)).disable
+    monkeypatch.setenv("CGXRUN_TTY", "1")
+    monkeypatch.setenv("RANK", "1")
+    assert console.progress(range(3)).disable  # not rank 0
+    monkeypatch.setenv("RANK", "0")
+    assert not console.progress(range(3)).disable

@@ -201,8 +201,11 @@ class Engine:
                 self._fail(error)
             handle._finish(result, error)
             if self._timeline is not None and self._timeline.enabled:
-                self._timeline.add(f"queued {handle.name}", queued, start - queued,
-                                   cat="engine")
+                self._timeline.add("queued", queued, start - queued, cat="engine",
+                                   row=handle.name or "engine", args={"seq": seq})
+                self._timeline.add("run", start, time.perf_counter() - start, cat="engine",
+                                   row=handle.name or "engine",
+                                   args={"error": repr(error)} if error is not None else None)
 
     def _explain(self, exc: BaseException, seq: int, label: str) -> BaseException:
         """A transport error, completed with what the progress board knows."""

@@ -29,16 +29,17 @@ class PhaseTimer:
     With a timeline, every span is also recorded as a trace event.
     """
 
-    __slots__ = ("seconds", "timeline")
+    __slots__ = ("seconds", "timeline", "row")
 
-    def __init__(self, timeline=None):
+    def __init__(self, timeline=None, row: str = "cgx"):
         self.seconds: dict[str, float] = collections.defaultdict(float)
         self.timeline = timeline if timeline is not None and timeline.enabled else None
+        self.row = row  # the timeline row: the collective's name
 
     def add(self, phase: str, dt: float) -> None:
         self.seconds[phase] += dt
         if self.timeline is not None:
-            self.timeline.add(phase, time.perf_counter() - dt, dt)
+            self.timeline.add(phase, time.perf_counter() - dt, dt, row=self.row)
 
     def time(self, phase: str):
         return _Span(self, phase)

@@ -186,7 +186,7 @@ class Reducer:
             for t in tensors:
                 scale_(t, prescale_factor)
         stats = ReduceStats(calls=1)
-        timer = pipeline.PhaseTimer(self.timeline)
+        timer = pipeline.PhaseTimer(self.timeline, row=name or "allreduce")
         comp = [i for i, s in enumerate(specs) if s is not None] if op in (
             ReduceOp.SUM, ReduceOp.AVERAGE) else []
         compressed = set(comp)
@@ -216,8 +216,10 @@ class Reducer:
         stats.seconds["total"] = time.perf_counter() - t_start
         stats.seconds["_fp32_wire"] = float(fp32_wire)
         if self.timeline.enabled:
-            self.timeline.add(f"allreduce {name or ''}".strip(), t_start, stats.seconds["total"],
-                              args={"numel": stats.numel, "wire_bytes": stats.wire_bytes})
+            self.timeline.add("done", t_start, stats.seconds["total"], row=name or "allreduce",
+                              args={"numel": stats.numel, "input_bytes": stats.input_bytes,
+                                    "wire_bytes": stats.wire_bytes,
+                                    "compressed_tensors": len(comp), "exact_tensors": len(plain)})
         self.totals.add(stats)
         return stats
 

@@ -80,6 +80,8 @@ from cgx.tensorflow.ops import (Adasum, Average, Max, Min, Product, ProcessSet, 
 init = _session.init
 shutdown = _session.shutdown
 stats = _session.stats
+start_timeline = _session.start_timeline
+stop_timeline = _session.stop_timeline
 
 
 
@@ -94,7 +96,8 @@ def __getattr__(name):
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
-    "cross_rank", "cross_size", "mpi_threads_supported", "stats",
+    "cross_rank", "cross_size", "mpi_threads_supported", "stats", "start_timeline",
+    "stop_timeline",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ProcessSet", "global_process_set",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "barrier",
     "broadcast_variables", "broadcast_object", "allgather_object",

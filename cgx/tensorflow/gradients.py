@@ -158,6 +158,9 @@ class GradientExchange:
         def body(*xs):
             st = int(xs[-1].numpy()) if step is not None else None
             work = [copy_to_torch(x) for x in xs[:len(sub)]]
+            timeline = session.reducer().timeline
+            if timeline.enabled:  # the whole backward is done: every gradient is ready
+                timeline.instant("ready", row=label, args={"tensors": plan.names})
             out = session.run(plan.reduce, work, name=label, step=st, label=label)
             return [to_tf(o) for o in out]
 

@@ -38,11 +38,14 @@ from cgx.torch.optimizer import DistributedOptimizer
 init = _session.init
 shutdown = _session.shutdown
 stats = _session.stats
+start_timeline = _session.start_timeline
+stop_timeline = _session.stop_timeline
 
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
-    "cross_rank", "cross_size", "mpi_threads_supported", "stats",
+    "cross_rank", "cross_size", "mpi_threads_supported", "stats", "start_timeline",
+    "stop_timeline",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ProcessSet", "global_process_set",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",

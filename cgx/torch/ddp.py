@@ -120,5 +120,8 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     if bucket.is_last():
         state.iteration += 1
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    if red.timeline.enabled:
+        red.timeline.instant("ready", row=f"ddp.bucket{bucket.index()}",
+                             args={"tensors": len(bucket.gradients())})
     red.engine().submit(_reduce, (state, bucket, fut, step), label=f"ddp.bucket{bucket.index()}")
     return fut

@@ -220,6 +220,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._auto_synced = False
         self.timing: dict[str, Any] = {}  # last step's launch/start/end times (tests, timeline)
         self._signature = self._make_signature()
+        self._timeline = session.reducer().timeline
         self._digest = self._signature.digest()
         _registry[self._registry_id] = self
 
@@ -316,6 +317,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._counts[i] = c
             if c == self._bpps:
                 b = self._bucket_of[i]
+                if self._timeline.enabled:
+                    self._timeline.instant(f"ready {self._names[id(p)]}",
+                                           row=f"opt{self._registry_id}.bucket{b}")
                 self._ready[b] += 1
                 self._launch_ready()
 
@@ -351,7 +355,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             event.record()
         self.timing["launch"].append(time.perf_counter())
         self._handles.append(session.submit(self._reduce_bucket, b, grads, event, zeros,
-                                            label=f"bucket{b}"))
+                                            label=f"opt{self._registry_id}.bucket{b}"))
 
     # -- the reduction of one bucket (engine thread) -----------------------------------
 
