@@ -292,7 +292,7 @@ def _grad_scaler(rank, world):
         g = torch.Generator().manual_seed(step * 10 + rank)
         loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
         if step == 1 and rank == 0:
-            loss = loss + float("inf")
+            loss = loss * float("inf")  # inf gradients on this rank only
         scaler.scale(loss).backward()
         # No synchronize(): GradScaler must still see the reduced gradients.
         scaler.step(opt)
