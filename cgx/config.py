@@ -200,7 +200,10 @@ class Config:
     # CGX_CHECK_CONSISTENCY: ranks agree on each collective's name, shapes, dtypes,
     # op and compression before it runs (a mismatch is a clear error on every rank).
     check_consistency: bool = True
-    verbose: bool = False  # CGX_VERBOSE
+    verbose: bool = False  # CGX_VERBOSE: log decisions; a one-screen summary at shutdown
+    # CGX_STATS_EVERY: every this many steps, measure each compressed layer's relative
+    # compression error (one extra local quantize pass of that step); 0: never.
+    stats_every: int = 100
 
     def __post_init__(self):
         validate_bits(self.bits, "bits (CGX_COMPRESSION_QUANTIZATION_BITS)")
@@ -300,6 +303,7 @@ class Config:
             stall_warning_s=stall,
             check_consistency=_bool(env, "CGX_CHECK_CONSISTENCY", cls.check_consistency),
             verbose=_bool(env, "CGX_VERBOSE", cls.verbose),
+            stats_every=_int(env, "CGX_STATS_EVERY", cls.stats_every, 0, 1 << 30),
         )
 
 
@@ -331,5 +335,8 @@ ENV_VARS = {
                            "(default 60; else HOROVOD_STALL_CHECK_TIME_SECONDS)",
     "CGX_CHECK_CONSISTENCY": "ranks agree on names, shapes, dtypes, ops and compression before "
                              "a collective runs (default 1)",
-    "CGX_VERBOSE": "log what cgx decides (default 0)",
+    "CGX_VERBOSE": "log what cgx decides, and print a one-screen summary per rank at "
+                   "shutdown (default 0)",
+    "CGX_STATS_EVERY": "measure each compressed layer's relative compression error every N "
+                       "steps (hvd.stats().layer_error; default 100, 0: never)",
 }

@@ -74,6 +74,26 @@ def unique_names(names: Sequence[Optional[str]], prefix: str) -> list[str]:
     return out
 
 
+def _layer_errors(names, specs, work, threads: int):
+    """``ReduceStats`` holding this rank's relative compression error per compressed layer.
+
+    Hidden cost: one quantize pass (with write-back) of a copy of each compressed
+    gradient; it runs only every ``CGX_STATS_EVERY`` steps.
+    """
+    from cgx.collectives.reducer import ReduceStats
+    from cgx.compression.quantization import quantize
+    errors = {}
+    for n, s, w in zip(names, specs, work):
+        if s is None or w.numel() == 0:
+            continue
+        x = w.detach().reshape(-1).contiguous()
+        y = x.clone()
+        quantize(y, s, write_back=True, threads=threads)
+        norm = float(x.float().norm())
+        errors[n] = float((y.float() - x.float()).norm()) / norm if norm > 0 else 0.0
+    return ReduceStats(layer_error=errors)
+
+
 class GradientPlan:
     """Reduction recipe for a fixed list of gradients (names, shapes, compression).
 
@@ -169,6 +189,8 @@ class GradientPlan:
             # The reducer quantizes float32/16/bf16 only; float64 travels exact.
             specs = [s if s is not None and w.dtype in FLOAT_DTYPES else None
                      for s, w in zip(specs, work)]
+            if red.config.stats_every and step % red.config.stats_every == 0 and not shadow:
+                red.add_stats(_layer_errors(names, specs, work, red.config.cpu_threads))
             residuals = None
             if self.error_feedback and not shadow:
                 residuals = [self._residual(n, w) if s is not None else None

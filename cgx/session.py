@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from typing import Any, Callable, Optional
 
@@ -66,8 +67,10 @@ def stop_timeline() -> None:
 
 
 def stats():
-    """Totals of every reduction so far (bytes, seconds per phase): a ``ReduceStats``."""
-    return reducer().totals
+    """Totals so far, as a consistent copy (a ``ReduceStats``): bytes sent, seconds per
+    phase, optimizer steps, exposed communication, per-layer compression error.
+    Safe to call from any thread while reductions run."""
+    return reducer().snapshot()
 
 
 def reducer() -> Reducer:
@@ -110,10 +113,20 @@ def wait_timeout() -> float:
 
 
 def close() -> None:
-    """Stop the engine and write the timeline (called by the adapters' ``shutdown()``)."""
+    """Stop the engine and write the timeline (called by the adapters' ``shutdown()``).
+
+    With ``CGX_VERBOSE=1``, each rank prints a one-screen summary of its communication.
+    """
     global _reducer, _owner
     with _lock:
         if _reducer is not None:
+            engine = _reducer._engine
             _reducer.close()
             _reducer.timeline.close()
+            if _reducer.config.verbose and (_reducer.totals.calls or engine is not None):
+                from cgx.stats import summary
+                print(summary(_reducer.snapshot(), _reducer.transport.rank,
+                              stalls=len(engine.stall_warnings) if engine else 0,
+                              failed=engine.failed if engine else None),
+                      file=sys.stderr, flush=True)
         _reducer, _owner = None, None

@@ -63,8 +63,10 @@ def _keras_scenarios(rank, world):
         model = _model(0)
         model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), rules=rules),
                       loss="mse", jit_compile=False)
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        hist = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                         callbacks=[hvd.callbacks.StatsCallback(layer_errors=True)])
         out[f"rules_{kind}"] = "ok"
+        out[f"stats_{kind}"] = sorted(hist.history)
 
     # mixed_float16: an overflow on one rank only must skip the step on every rank, not hang.
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -106,6 +108,9 @@ def test_keras_reliability_scenarios():
         for a, b in zip(o["bpps"], ref):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
         assert o["rules_dict"] == o["rules_list"] == "ok"
+        # StatsCallback: the epoch's communication in the logs (History, TensorBoard).
+        assert {"cgx_bytes_sent", "cgx_bytes_sent_per_step", "cgx_compression_ratio",
+                "cgx_exposed_comm_s_per_step"} <= set(o["stats_dict"]), o["stats_dict"]
         assert o["mixed_type"] == "LossScaleOptimizer"
         assert o["mixed_finite"]
     assert outs[0]["mixed_scale"] == outs[1]["mixed_scale"] < 2.0 ** 15  # lowered together

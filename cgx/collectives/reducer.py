@@ -20,6 +20,7 @@ Compression applies to ``Sum`` and ``Average``; ``Min``, ``Max`` and
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import zlib
 from typing import Optional, Sequence
@@ -51,6 +52,11 @@ class ReduceStats:
         wire_bytes: bytes this rank sent (compressed payloads, padding included).
         seconds: time per phase: compress, reduce, decompress, wait (blocked on
             the wire), plain (uncompressed allreduce), total.
+        steps: optimizer steps whose exchange finished (totals only).
+        exposed_seconds: time the training thread waited for the exchange in
+            those steps, i.e. communication not hidden behind backward.
+        layer_error: latest relative compression error ``||C(g) - g|| / ||g||``
+            per layer, sampled every ``CGX_STATS_EVERY`` steps.
     """
 
     calls: int = 0
@@ -58,6 +64,9 @@ class ReduceStats:
     input_bytes: int = 0
     wire_bytes: int = 0
     seconds: dict = dataclasses.field(default_factory=dict)
+    steps: int = 0
+    exposed_seconds: float = 0.0
+    layer_error: dict = dataclasses.field(default_factory=dict)
 
     def add(self, other: "ReduceStats") -> None:
         self.calls += other.calls
@@ -66,6 +75,13 @@ class ReduceStats:
         self.wire_bytes += other.wire_bytes
         for k, v in other.seconds.items():
             self.seconds[k] = self.seconds.get(k, 0.0) + v
+        self.steps += other.steps
+        self.exposed_seconds += other.exposed_seconds
+        self.layer_error.update(other.layer_error)
+
+    def copy(self) -> "ReduceStats":
+        return dataclasses.replace(self, seconds=dict(self.seconds),
+                                   layer_error=dict(self.layer_error))
 
     @property
     def ratio(self) -> float:
@@ -121,6 +137,7 @@ class Reducer:
         self.timeline = timeline or Timeline(None)
         self.calls = 0  # part of the state: feeds the stochastic-rounding key
         self.totals = ReduceStats()
+        self._totals_lock = threading.Lock()  # the engine adds, the training thread reads
         self.board = board
         self._engine: Optional[Engine] = None
 
@@ -220,8 +237,20 @@ class Reducer:
                               args={"numel": stats.numel, "input_bytes": stats.input_bytes,
                                     "wire_bytes": stats.wire_bytes,
                                     "compressed_tensors": len(comp), "exact_tensors": len(plain)})
-        self.totals.add(stats)
+        self.add_stats(stats)
         return stats
+
+    # -- statistics (thread-safe) ----------------------------------------------------
+
+    def add_stats(self, stats: ReduceStats) -> None:
+        """Add to the totals (any thread)."""
+        with self._totals_lock:
+            self.totals.add(stats)
+
+    def snapshot(self) -> ReduceStats:
+        """A consistent copy of the totals (any thread)."""
+        with self._totals_lock:
+            return self.totals.copy()
 
     def allreduce_async(self, tensors: Sequence[torch.Tensor],
                         specs: Optional[Sequence[Optional[QuantSpec]]] = None,

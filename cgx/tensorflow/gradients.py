@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import numbers
 import threading
+import time
 from typing import Optional, Sequence
 
 import tensorflow as tf
@@ -30,6 +31,7 @@ from cgx.compression import Compression
 from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf
 from cgx.grad_plan import GradientPlan, unique_names
 from cgx.collectives.functional import Average, Sum, check_process_set, global_process_set
+from cgx.collectives.reducer import ReduceStats
 from cgx.tensorflow.ops import tf_side_compressor
 
 _labels = itertools.count()
@@ -161,7 +163,11 @@ class GradientExchange:
             timeline = session.reducer().timeline
             if timeline.enabled:  # the whole backward is done: every gradient is ready
                 timeline.instant("ready", row=label, args={"tensors": plan.names})
+            t0 = time.perf_counter()
             out = session.run(plan.reduce, work, name=label, step=st, label=label)
+            # Keras exchanges after the whole backward: all of it is exposed.
+            session.reducer().add_stats(ReduceStats(steps=1,
+                                                    exposed_seconds=time.perf_counter() - t0))
             return [to_tf(o) for o in out]
 
         reduced = run_collective(body, inputs, [g.dtype for g in sub], shapes, label)

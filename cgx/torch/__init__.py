@@ -32,6 +32,7 @@ from cgx.torch.ops import (allgather, allgather_async, allreduce, allreduce_, al
                            grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
                            join, poll, reducescatter, reducescatter_async, synchronize)
 from cgx.torch.optimizer import DistributedOptimizer
+from cgx.torch.tensorboard import StatsLogger
 
 
 
@@ -54,4 +55,5 @@ __all__ = [
     "synchronize", "poll", "join", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "Compression", "Config", "Rounding", "DistributedOptimizer", "CGXState", "cgx_hook",
+    "StatsLogger",
 ]

@@ -397,11 +397,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._next += 1
             handles = self._handles
             self._handles = []
+        t0 = time.perf_counter()
         try:
             for h in handles:
                 h.wait(session.wait_timeout())
         finally:
             self._reset_step_state()
+        if handles:
+            # The time this thread waited: communication that backward did not hide.
+            from cgx.collectives.reducer import ReduceStats
+            session.reducer().add_stats(ReduceStats(
+                steps=1, exposed_seconds=time.perf_counter() - t0))
         self._synchronized = True
 
     @contextlib.contextmanager

@@ -97,6 +97,41 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             self._broadcast()
 
 
+class StatsCallback(keras.callbacks.Callback):
+    """Adds cgx's communication statistics of each epoch to the epoch's ``logs``.
+
+    So ``History`` and a ``keras.callbacks.TensorBoard`` placed *after* it in the
+    callbacks list record them: ``cgx_bytes_sent``, ``cgx_bytes_sent_per_step``,
+    ``cgx_compression_ratio``, ``cgx_exposed_comm_s_per_step``, ``cgx_seconds_<phase>``,
+    and with ``layer_errors=True`` ``cgx_layer_error_<layer>``.
+
+    Args:
+        layer_errors: also log each layer's relative compression error.
+    """
+
+    def __init__(self, layer_errors: bool = False):
+        super().__init__()
+        self.layer_errors = bool(layer_errors)
+        self._last = None
+
+    def on_train_begin(self, logs=None):
+        from cgx import session
+        self._last = session.stats()
+
+    def on_epoch_end(self, epoch, logs=None):
+        from cgx import session
+        from cgx.stats import scalars
+        now = session.stats()
+        values = scalars(now, since=self._last)
+        self._last = now
+        if logs is None:
+            return
+        for name, value in values.items():
+            if name.startswith("cgx/layer_error/") and not self.layer_errors:
+                continue
+            logs[name.replace("/", "_")] = value
+
+
 class MetricAverageCallback(keras.callbacks.Callback):
     """Replace each numeric epoch metric in ``logs`` by its average over ranks.
 
@@ -316,5 +351,5 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
             super().on_epoch_end(epoch, logs)
 
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "StatsCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "BestModelCheckpoint"]
