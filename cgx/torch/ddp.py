@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from cgx.comm.consistency import agree, signature
 from cgx.collectives import Reducer
 from cgx.comm.base import ReduceOp
 from cgx.comm.torch_dist import TorchTransport
@@ -60,10 +61,14 @@ class CGXState:
         self.residuals = {}  # parameter name -> float32 residual
         # -- runtime objects (not pickled) --
         self._reducer: Optional[Reducer] = None
+        self._checked: set = set()  # bucket layouts every rank agreed on
 
     def reducer(self) -> Reducer:
         if self._reducer is None:
-            self._reducer = Reducer(TorchTransport(self.process_group), self.config)
+            from cgx import runtime
+            board = runtime.progress_board() if runtime.is_initialized() else None
+            self._reducer = Reducer(TorchTransport(self.process_group), self.config,
+                                    board=board)
         return self._reducer
 
     def state_dict(self) -> dict:
@@ -81,6 +86,7 @@ class CGXState:
         state = dict(self.__dict__)
         state["process_group"] = None  # process groups do not pickle; the default is used
         state["_reducer"] = None
+        state["_checked"] = set()
         return state
 
     def _residual(self, name: str, numel: int, device) -> torch.Tensor:
@@ -97,13 +103,24 @@ def _reduce(state: CGXState, bucket: dist.GradBucket, fut: torch.futures.Future,
         grads = [g.view(-1) for g in bucket.gradients()]
         params = bucket.parameters()
         specs = [state._specs.get(id(p)) for p in params]
+        name = f"ddp.bucket{bucket.index()}"
+        if state.config.check_consistency:
+            # Once per bucket layout (DDP launches the same buckets in the same order on
+            # every rank, and rebuilds them everywhere alike): the ranks agree on it.
+            sig = signature("DDP bucket", name, names=[state._names.get(id(p)) for p in params],
+                            shapes=[tuple(g.shape) for g in grads],
+                            dtypes=[g.dtype for g in grads], specs=specs,
+                            error_feedback=state.error_feedback)
+            if sig.digest() not in state._checked:
+                agree(state.reducer().transport, sig, recoverable=False)
+                state._checked.add(sig.digest())
         residuals = None
         if state.error_feedback:
             residuals = [state._residual(state._names.get(id(p), str(i)), g.numel(), g.device)
                          if s is not None else None
                          for i, (p, g, s) in enumerate(zip(params, grads, specs))]
         state.reducer().allreduce(grads, specs, op=ReduceOp.AVERAGE, residuals=residuals,
-                                  step=step, name=f"ddp.bucket{bucket.index()}")
+                                  step=step, name=name)
         fut.set_result(bucket.buffer())
     except BaseException as exc:
         fut.set_exception(exc)

@@ -1,0 +1,92 @@
+"""Keras training patterns for the reference-equivalence harness (see equivalence.py).
+
+``shard`` works on torch tensors; these patterns hand it a row index and slice
+their NumPy arrays with the result, so rank r trains on the r-th part of every
+global batch, as in the torch patterns.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+STEPS = 4
+GLOBAL_BATCH = 12
+
+
+def init():
+    import cgx.tensorflow.keras as hvd
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    hvd.init()
+    return hvd
+
+
+def _global_data(n_batches, seed=5):
+    g = np.random.default_rng(seed)
+    x = g.normal(size=(n_batches * GLOBAL_BATCH, 10)).astype("float32")
+    y = (x @ g.normal(size=(10, 3))).astype("float32")
+    return x, y
+
+
+def _my_rows(shard, n_batches):
+    """Indices of this rank's rows, batch after batch (the global order in the reference)."""
+    idx = torch.arange(n_batches * GLOBAL_BATCH).view(n_batches, GLOBAL_BATCH)
+    return torch.cat([shard(row) for row in idx]).numpy()
+
+
+def _model(seed=0):
+    import keras
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((10,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dense(3)])
+
+
+def _weights(model):
+    return [torch.from_numpy(np.asarray(w)) for w in model.get_weights()]
+
+
+def fit_with_callbacks_and_validation(hvd, shard):
+    import keras
+    x, y = _global_data(STEPS)
+    rows = _my_rows(shard, STEPS)
+    # Different initial weights per rank: the broadcast callback makes them rank 0's.
+    model = _model(seed=hvd.rank())
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                                     compression=hvd.Compression.exact),
+                  loss="mse", jit_compile=False)
+    per_rank = GLOBAL_BATCH // hvd.size()
+    model.fit(x[rows], y[rows], batch_size=per_rank, epochs=1, shuffle=False, verbose=0,
+              validation_data=(x[:6], y[:6]),
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                         hvd.callbacks.MetricAverageCallback()])
+    return _weights(model)
+
+
+def custom_tape_loop(hvd, shard):
+    import keras
+    import tensorflow as tf
+    import cgx.tensorflow as hvd_tf  # horovod.tensorflow's tape
+    x, y = _global_data(STEPS)
+    model = _model()
+    opt = keras.optimizers.Adam(0.01)
+
+    @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+        tape = hvd_tf.DistributedGradientTape(tape, compression=hvd.Compression.exact)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables)
+
+    for step in range(STEPS):
+        rows = shard(torch.arange(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)).numpy()
+        train_step(x[rows], y[rows])
+    return _weights(model)
+
+
+PATTERNS = {f.__name__: f for f in (fit_with_callbacks_and_validation, custom_tape_loop)}

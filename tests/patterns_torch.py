@@ -1,0 +1,261 @@
+"""Training patterns users write with torch, for the reference-equivalence harness.
+
+Each function is ``pattern(hvd, shard) -> parameters`` (see equivalence.py).
+Every one uses an exact exchange, so N ranks must match one process exactly.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+import torch.nn.functional as F
+
+STEPS = 4
+GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
+
+
+def init():
+    import cgx.torch as hvd
+    torch.set_num_threads(1)
+    hvd.init()
+    return hvd
+
+
+def _batch(step, dim=16, n=GLOBAL_BATCH):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(n, dim, generator=g)
+    return x, (x[:, :4].sum(1) > 0).long()
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+
+
+def _opt(hvd, model, opt, **kw):
+    return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                    compression=hvd.Compression.exact, **kw)
+
+
+def plain_sgd_momentum(hvd, shard):
+    model = _mlp()
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+def adam_param_groups(hvd, shard):
+    model = _mlp()
+    opt = _opt(hvd, model, torch.optim.Adam([
+        {"params": model[0].parameters(), "lr": 1e-2},
+        {"params": model[2].parameters(), "lr": 1e-3, "weight_decay": 0.1}]))
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+class _Tied(torch.nn.Module):
+    """Input embedding and output layer share one weight; a block is applied twice."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(20, 8)
+        self.block = torch.nn.Linear(8, 8)
+
+    def forward(self, tokens):
+        h = self.emb(tokens).mean(1)
+        h = torch.tanh(self.block(torch.tanh(self.block(h))))  # reused module
+        return h @ self.emb.weight.t()  # tied output weight
+
+
+def tied_and_reused_weights(hvd, shard):
+    model = _Tied()
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 20, (GLOBAL_BATCH, 5), generator=g)
+        target = torch.randint(0, 20, (GLOBAL_BATCH,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(shard(tokens)), shard(target)).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+def accumulation(hvd, shard):
+    model = _mlp()
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.1),
+               backward_passes_per_step=2)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(2):
+            x, y = _batch(10 * step + micro)
+            (F.cross_entropy(model(shard(x)), shard(y)) / 2).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+def freeze_unfreeze(hvd, shard):
+    model = _mlp()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(STEPS):
+        if step == 2:
+            for p in model[0].parameters():
+                p.requires_grad_(True)
+        if step == 3:
+            for p in model[2].parameters():
+                p.requires_grad_(False)
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+def add_param_group_midway(hvd, shard):
+    model = _mlp()
+    opt = _opt(hvd, model, torch.optim.SGD(model[2].parameters(), lr=0.1))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    for step in range(STEPS):
+        if step == 2:
+            for p in model[0].parameters():
+                p.requires_grad_(True)
+            opt.add_param_group({"params": list(model[0].parameters()), "lr": 0.05})
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+def clipping(hvd, shard):
+    model = _mlp()
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.5))
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        (10 * F.cross_entropy(model(shard(x)), shard(y))).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        with opt.skip_synchronize():
+            opt.step()
+    return list(model.parameters())
+
+
+def grad_scaler(hvd, shard):
+    model = _mlp()
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(shard(x)), shard(y))).backward()
+        scaler.unscale_(opt)  # reads the gradients: they must be reduced by now
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+    return list(model.parameters())
+
+
+def compiled_model(hvd, shard):
+    model = _mlp()
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fast = torch.compile(model, backend="aot_eager")  # no C++ toolchain needed
+    for step in range(STEPS):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(fast(shard(x)), shard(y)).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+def sparse_embedding(hvd, shard):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(30, 6, sparse=True)
+    head = torch.nn.Linear(6, 2)
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.2))
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 30, (GLOBAL_BATCH, 3), generator=g)
+        y = torch.randint(0, 2, (GLOBAL_BATCH,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(head(emb(shard(tokens)).mean(1)), shard(y)).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+def ddp_hook_no_sync(hvd, shard):
+    import cgx.torch
+    from cgx.config import Config
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = _mlp()
+    ddp = DDP(model)
+    state = cgx.torch.CGXState(ddp, config=Config(bits=32))  # exact
+    ddp.register_comm_hook(state, cgx.torch.cgx_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = _batch(10 * step)
+        with ddp.no_sync():  # accumulate locally, reduce with the next backward
+            (F.cross_entropy(ddp(shard(x)), shard(y)) / 2).backward()
+        x, y = _batch(10 * step + 1)
+        (F.cross_entropy(ddp(shard(x)), shard(y)) / 2).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+def save_load_resume(hvd, shard):
+    """Rank 0 checkpoints after 2 steps; a fresh model and optimizer load it on rank 0 and
+    broadcast; training goes on: the result equals the uninterrupted run."""
+    model = _mlp()
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    buf = io.BytesIO()
+    for step in range(STEPS):
+        if step == 2:
+            if hvd.rank() == 0:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+            model = _mlp(seed=123)  # a restarted process: other weights until the broadcast
+            opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5))
+            if hvd.rank() == 0:
+                buf.seek(0)
+                ckpt = torch.load(buf, weights_only=False)
+                model.load_state_dict(ckpt["model"])
+                opt.load_state_dict(ckpt["opt"])
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+def replaced_optimizer(hvd, shard):
+    model = _mlp()
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.5))
+    for step in range(STEPS):
+        if step == 2:  # a new learning rate: a new DistributedOptimizer on the same model
+            opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.05))
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+PATTERNS = {f.__name__: f for f in (
+    plain_sgd_momentum, adam_param_groups, tied_and_reused_weights, accumulation,
+    freeze_unfreeze, add_param_group_midway, clipping, grad_scaler, compiled_model,
+    sparse_embedding, ddp_hook_no_sync, save_load_resume, replaced_optimizer)}

@@ -1,0 +1,19 @@
+"""2 and 3 real ranks with an exact exchange train exactly like one process on all the data,
+for the training patterns users write (tests/patterns_torch.py)."""
+
+import pytest
+
+from equivalence import assert_equivalent, run_patterns
+from patterns_torch import PATTERNS
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_patterns("patterns_torch", PATTERNS, world=1)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_patterns_match_the_single_process_reference(world, reference):
+    assert_equivalent(run_patterns("patterns_torch", PATTERNS, world=world), reference)
