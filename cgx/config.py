@@ -73,6 +73,13 @@ class TorchBackend(enum.Enum):
     NCCL = "nccl"  # CUDA tensors on cuda:local_rank; needs a CUDA build and a GPU
 
 
+class CompressionMode(enum.Enum):
+    """What ``compression=Compression.none`` (the default) means (``CGX_COMPRESSION``)."""
+
+    QUANTIZE = "quantize"  # uniform CGX quantization with the CGX_COMPRESSION_* settings
+    AUTO = "auto"  # per-layer levels within an error budget (Compression.auto, cgx.adaptive)
+
+
 class Hierarchy(enum.Enum):
     """Two-level reduction: inside a node, then across nodes (``CGX_HIERARCHICAL``)."""
 
@@ -174,6 +181,10 @@ class Config:
     error_feedback: bool = False  # CGX_COMPRESSION_ERROR_FEEDBACK: keep residuals
     seed: int = 0  # CGX_SEED: stochastic-rounding seed (same on every rank)
     layer_config: Optional[str] = None  # CGX_COMPRESSION_CONFIG: YAML of per-layer rules
+    compression: CompressionMode = CompressionMode.QUANTIZE  # CGX_COMPRESSION: quantize | auto
+    auto_alpha: float = 1.0  # CGX_AUTO_ALPHA: auto's error budget, x the uniform default's
+    auto_window: int = 10  # CGX_AUTO_WINDOW: steps of statistics per plan
+    auto_adjust_every: int = 1000  # CGX_AUTO_ADJUST_EVERY: steps between plans
 
     # --- collectives ---------------------------------------------------------
     fusion_buffer_mb: float = 64.0  # CGX_FUSION_BUFFER_SIZE_MB (else HOROVOD_FUSION_THRESHOLD bytes)
@@ -222,7 +233,13 @@ class Config:
             raise ConfigError(f"stall_warning_s={self.stall_warning_s} must be in [0, 604800]")
         if not 0 < self.start_timeout_s <= 7 * 24 * 3600:
             raise ConfigError(f"start_timeout_s={self.start_timeout_s} must be in (0, 604800]")
-        for name, cls in (("rounding", Rounding), ("inner_reduction", ReductionType),
+        if not self.auto_alpha > 0:
+            raise ConfigError(f"auto_alpha={self.auto_alpha} must be > 0 (CGX_AUTO_ALPHA)")
+        if not 1 <= self.auto_window <= self.auto_adjust_every:
+            raise ConfigError(f"auto_window={self.auto_window} must be in [1, auto_adjust_every="
+                              f"{self.auto_adjust_every}] (CGX_AUTO_WINDOW, CGX_AUTO_ADJUST_EVERY)")
+        for name, cls in (("rounding", Rounding), ("compression", CompressionMode),
+                          ("inner_reduction", ReductionType),
                           ("cross_reduction", ReductionType), ("hierarchical", Hierarchy),
                           ("transport", TransportKind), ("backend", TorchBackend)):
             if not isinstance(getattr(self, name), cls):
@@ -286,6 +303,11 @@ class Config:
             error_feedback=_bool(env, "CGX_COMPRESSION_ERROR_FEEDBACK", cls.error_feedback),
             seed=_int(env, "CGX_SEED", cls.seed, 0, 2**32 - 1),
             layer_config=env.get("CGX_COMPRESSION_CONFIG") or None,
+            compression=_enum(env, "CGX_COMPRESSION", CompressionMode, cls.compression),
+            auto_alpha=_float(env, "CGX_AUTO_ALPHA", cls.auto_alpha, 1e-6, 1e6),
+            auto_window=_int(env, "CGX_AUTO_WINDOW", cls.auto_window, 1, 1 << 30),
+            auto_adjust_every=_int(env, "CGX_AUTO_ADJUST_EVERY", cls.auto_adjust_every, 1,
+                                   1 << 30),
             fusion_buffer_mb=fusion_mb,
             inner_reduction=_enum(env, "CGX_INNER_REDUCTION_TYPE", ReductionType,
                                   cls.inner_reduction),
@@ -317,6 +339,11 @@ ENV_VARS = {
     "CGX_COMPRESSION_ERROR_FEEDBACK": "keep the quantization residual and add it next step (default 0)",
     "CGX_COMPRESSION_CONFIG": "YAML file of per-layer rules (exclude, bits, bucket size)",
     "CGX_SEED": "seed of stochastic rounding, the same on every rank (default 0)",
+    "CGX_COMPRESSION": "quantize | auto: what Compression.none means; auto picks per-layer "
+                       "levels within an error budget (default quantize)",
+    "CGX_AUTO_ALPHA": "auto: total error allowed, x the uniform default's (default 1.0)",
+    "CGX_AUTO_WINDOW": "auto: steps of gradient statistics per plan (default 10)",
+    "CGX_AUTO_ADJUST_EVERY": "auto: steps between plans (default 1000)",
     "CGX_FUSION_BUFFER_SIZE_MB": "fusion buffer size in MB (default 64; else HOROVOD_FUSION_THRESHOLD)",
     "CGX_INNER_REDUCTION_TYPE": "sra | ring | allgather, inside a node (default sra)",
     "CGX_CROSS_REDUCTION_TYPE": "sra | ring | allgather, across nodes (default sra)",

@@ -41,10 +41,11 @@ import torch
 from cgx import runtime
 from cgx import session
 from cgx.comm.base import ReduceOp
-from cgx.compression import (Compression, CompressorKind, ErrorFeedback, ExactCompressor,
-                             QuantizeCompressor, as_compressor)
+from cgx.adaptive import AdaptiveSchedule
+from cgx.compression import (AutoCompression, Compression, CompressorKind, ErrorFeedback,
+                             ExactCompressor, QuantizeCompressor, as_compressor)
 from cgx.compression.quantization import FLOAT_DTYPES
-from cgx.config import Config
+from cgx.config import CompressionMode, Config
 from cgx.rules import LayerRules
 
 STATE_FORMAT = 1
@@ -57,6 +58,7 @@ class GradMode(enum.Enum):
     QUANTIZE = "quantize"  # fused compressed allreduce (SRA/ring/allgather), per-layer specs
     SUMMABLE = "summable"  # cast payloads (fp16, bf16, Horovod-style), fused plain allreduce
     PER_TENSOR = "per_tensor"  # top-k, PowerSGD: the compressor's own reduction per tensor
+    AUTO = "auto"  # per-layer levels chosen within an error budget (cgx.adaptive)
 
 
 def unique_names(names: Sequence[Optional[str]], prefix: str) -> list[str]:
@@ -126,8 +128,15 @@ class GradientPlan:
         comp = as_compressor(compression)
         inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
         base, error_feedback = cfg, False
+        if comp.kind is CompressorKind.NONE and cfg.compression is CompressionMode.AUTO:
+            comp = AutoCompression(alpha=cfg.auto_alpha, window=cfg.auto_window,
+                                   adjust_every=cfg.auto_adjust_every)
         if isinstance(comp, ExactCompressor):
             mode = GradMode.EXACT
+        elif isinstance(comp, AutoCompression):
+            mode = GradMode.AUTO
+            error_feedback = cfg.error_feedback if comp.error_feedback is None \
+                else comp.error_feedback
         elif comp.kind is CompressorKind.NONE:
             mode = GradMode.QUANTIZE if cfg.quantization_enabled else GradMode.EXACT
             error_feedback = cfg.error_feedback
@@ -149,10 +158,16 @@ class GradientPlan:
         self.mode = mode
         self.error_feedback = error_feedback
         self.specs = [layer_rules.spec_for(n, s)
-                      if mode in (GradMode.QUANTIZE, GradMode.PER_TENSOR) else None
-                      for n, s in zip(self.names, self.shapes)]
+                      if mode in (GradMode.QUANTIZE, GradMode.PER_TENSOR, GradMode.AUTO)
+                      else None for n, s in zip(self.names, self.shapes)]
         self.step = 0
         self._residuals: dict[str, torch.Tensor] = {}
+        # AUTO: the per-layer plan; layers the rules leave exact are not planned.
+        self.adaptive = AdaptiveSchedule(
+            self.names, self.shapes, [s is not None for s in self.specs], comp,
+            cfg if cfg.quantization_enabled else cfg.replace(bits=4)) \
+            if mode is GradMode.AUTO else None
+        self._last_step: Optional[int] = None
 
     def reduce(self, grads: list, *, name: str, step: Optional[int] = None,
                indices: Optional[Sequence[int]] = None, shadow: bool = False) -> list:
@@ -185,7 +200,9 @@ class GradientPlan:
         work = [g if g.device == dev and g.is_contiguous() else g.contiguous().to(dev)
                 for g in grads]
         pre, post = 1.0 / self.predivide, self.predivide
-        if self.mode in (GradMode.EXACT, GradMode.QUANTIZE):
+        if self.mode is GradMode.AUTO:
+            specs = self._auto_specs(red, step, idx, work, shadow)
+        if self.mode in (GradMode.EXACT, GradMode.QUANTIZE, GradMode.AUTO):
             # The reducer quantizes float32/16/bf16 only; float64 travels exact.
             specs = [s if s is not None and w.dtype in FLOAT_DTYPES else None
                      for s, w in zip(specs, work)]
@@ -221,6 +238,48 @@ class GradientPlan:
                         w.mul_(post)
         return [w if w.device == g.device else w.to(g.device) for w, g in zip(work, grads)]
 
+    def _auto_specs(self, red, step: int, idx: list, work: list, shadow: bool) -> list:
+        """AUTO mode, engine thread: re-plan when due (a collective, at the first reduction of
+        a step on every rank), hand residuals of layers turned exact to their gradients,
+        and record the window's statistics. Returns this call's specs."""
+        sched = self.adaptive
+        if step != self._last_step:
+            self._last_step = step
+            if sched.due(step):
+                sched.replan(step, red.transport, red.config.cpu_threads, red.config.verbose)
+        specs = sched.specs(step)
+        specs = [specs[i] for i in idx]
+        if self.error_feedback and not shadow:
+            for k, i in enumerate(idx):
+                e = self._residuals.get(self.names[i])
+                if specs[k] is None and e is not None and e.numel() == work[k].numel():
+                    # Nothing is owed any more once a layer travels exact: send it now.
+                    work[k].view(-1).add_(e.to(work[k].dtype))
+                    e.zero_()
+        if not shadow and sched.observing(step):
+            seen = work
+            if self.error_feedback:
+                seen = [w.detach().reshape(-1).float() + self._residuals[self.names[i]]
+                        if self.names[i] in self._residuals else w
+                        for w, i in zip(work, idx)]
+            sched.observe(step, idx, seen)
+        return specs
+
+    def compression_plan(self) -> list[dict]:
+        """Per gradient: layer, shape, family, level, bytes, error, share of the error budget
+        (``cgx.adaptive.format_plan`` prints it). Outside AUTO mode: the fixed specs."""
+        if self.adaptive is not None:
+            return self.adaptive.rows()
+        rows = []
+        for n, s, spec in zip(self.names, self.shapes, self.specs):
+            numel = math.prod(s)
+            rows.append({"layer": n, "shape": s, "family": "exact" if spec is None else
+                         "quantize", "level": "exact" if spec is None else
+                         f"{spec.bits}-bit/{spec.bucket_size}",
+                         "bytes": 4 * numel if spec is None else spec.nbytes(numel),
+                         "error": 0.0, "share": 0.0})
+        return rows
+
     def _residual(self, name: str, w: torch.Tensor) -> torch.Tensor:
         e = self._residuals.get(name)
         if e is None or e.numel() != w.numel() or e.device != w.device:
@@ -236,9 +295,13 @@ class GradientPlan:
     # -- state: residuals, step and the compressor's own state ----------------------
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "step": self.step,
-                "residuals": {k: v.detach().clone() for k, v in self._residuals.items()},
-                "compression": self.compression.state_dict()}
+        state = {"format": STATE_FORMAT, "step": self.step,
+                 "residuals": {k: v.detach().clone() for k, v in self._residuals.items()},
+                 "compression": self.compression.state_dict()}
+        if self.adaptive is not None:
+            state["adaptive"] = self.adaptive.state_dict()
+            state["last_step"] = self._last_step
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
@@ -247,3 +310,6 @@ class GradientPlan:
         self.step = int(state["step"])
         self._residuals = {k: v.detach().clone() for k, v in state["residuals"].items()}
         self.compression.load_state_dict(state["compression"])
+        if self.adaptive is not None and "adaptive" in state:
+            self.adaptive.load_state_dict(state["adaptive"])
+            self._last_step = state.get("last_step")

@@ -100,6 +100,13 @@ def _mismatches(rank, world):
         "compression": lambda: hvd.allreduce(
             torch.ones(4096), name="q", compression=hvd.Compression.quantize(bits=4 + 2 * rank)),
     }
+    # An argument error found on the engine thread fails that call only, on every rank.
+    try:
+        hvd.alltoall(torch.ones(6, 2), splits=[1, 1], name="bad.splits")
+        out["argument"] = "no error"
+    except ValueError as e:
+        out["argument"] = str(e)
+    out["argument.after"] = hvd.allreduce(torch.ones(2), name="argument.ok").tolist()
     for key, fn in cases.items():
         try:
             fn()
@@ -125,6 +132,8 @@ def test_mismatches_raise_on_every_rank_naming_both_sides():
     assert "bits=4" in o["compression"] and "bits=6" in o["compression"]
     for key in ("shape", "dtype", "root", "order", "op", "allgather", "compression"):
         assert o[key + ".after"] == [0.5, 0.5], key
+    assert "splits must hold 2 non-negative counts summing to the first dimension (6)" in \
+        o["argument"] and o["argument.after"] == [1.0, 1.0]
 
 
 def _optimizer_mismatch(rank, world):

@@ -139,7 +139,8 @@ def describe(sigs: Sequence[Optional[Signature]]) -> str:
 _SHARED_CONFIG_FIELDS = ("bits", "bucket_size", "minimal_size", "rounding", "skip_1d",
                          "error_feedback", "seed", "fusion_buffer_mb", "inner_reduction",
                          "cross_reduction", "hierarchical", "pipeline_chunk_mb",
-                         "check_consistency")
+                         "check_consistency", "compression", "auto_alpha", "auto_window",
+                         "auto_adjust_every", "stats_every")
 
 _CONFIG_VARS = {"bits": "CGX_COMPRESSION_QUANTIZATION_BITS",
                 "bucket_size": "CGX_COMPRESSION_BUCKET_SIZE",
@@ -150,7 +151,9 @@ _CONFIG_VARS = {"bits": "CGX_COMPRESSION_QUANTIZATION_BITS",
                 "inner_reduction": "CGX_INNER_REDUCTION_TYPE",
                 "cross_reduction": "CGX_CROSS_REDUCTION_TYPE",
                 "hierarchical": "CGX_HIERARCHICAL", "pipeline_chunk_mb": "CGX_PIPELINE_CHUNK_MB",
-                "check_consistency": "CGX_CHECK_CONSISTENCY"}
+                "check_consistency": "CGX_CHECK_CONSISTENCY", "compression": "CGX_COMPRESSION",
+                "auto_alpha": "CGX_AUTO_ALPHA", "auto_window": "CGX_AUTO_WINDOW",
+                "auto_adjust_every": "CGX_AUTO_ADJUST_EVERY", "stats_every": "CGX_STATS_EVERY"}
 
 
 def agree_config(transport: Transport, config) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from cgx.compression.base import (Compressor, CompressorKind, HorovodCompressor, as_compressor,
                                   stable_tensor_id)
+from cgx.compression.auto import AutoCompression
 from cgx.compression.casts import (BF16Compressor, ExactCompressor, FP16Compressor,
                                   NoneCompressor)
 from cgx.compression.error_feedback import ErrorFeedback
@@ -69,6 +70,19 @@ class Compression:
         return ErrorFeedback(comp) if _check_flag(error_feedback, "error_feedback") else comp
 
     @staticmethod
+    def auto(alpha: float = 1.0, families=("quantize",), window: int = 10,
+             adjust_every: int = 1000, warmup_steps: int = 0, **kwargs) -> Compressor:
+        """Per-layer levels chosen automatically within an error budget (L-GreCo).
+
+        Every ``adjust_every`` steps, from gradients accumulated over ``window``
+        steps, each layer gets the level that minimizes the bytes sent while the
+        total error stays within ``alpha`` times the uniform default's. See
+        :class:`AutoCompression` and :mod:`cgx.adaptive`.
+        """
+        return AutoCompression(alpha=alpha, families=families, window=window,
+                               adjust_every=adjust_every, warmup_steps=warmup_steps, **kwargs)
+
+    @staticmethod
     def topk(density: float = 0.01, error_feedback: bool = True) -> Compressor:
         """Top-k sparsification keeping ``density`` of each tensor; see :class:`TopKCompressor`.
 
@@ -92,4 +106,5 @@ __all__ = [
     "Compression", "Compressor", "CompressorKind", "HorovodCompressor", "as_compressor",
     "stable_tensor_id", "NoneCompressor", "ExactCompressor", "FP16Compressor", "BF16Compressor",
     "QuantizeCompressor", "TopKCompressor", "PowerSGDCompressor", "ErrorFeedback",
+    "AutoCompression",
 ]

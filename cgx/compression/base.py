@@ -351,10 +351,13 @@ def as_compressor(obj: Any) -> Compressor:
     """
     if isinstance(obj, Compressor):
         return obj
+    if isinstance(obj, str) and obj.strip().lower() == "auto":
+        from cgx.compression.auto import AutoCompression
+        return AutoCompression()
     if isinstance(obj, type) and issubclass(obj, Compressor):
         return class_default(obj)
     if callable(getattr(obj, "compress", None)) and callable(getattr(obj, "decompress", None)):
         return HorovodCompressor(obj)
     raise TypeError(f"compression must be a cgx compressor (e.g. Compression.fp16, "
-                    f"Compression.quantize(bits=4)) or an object with compress/decompress, "
-                    f"got {obj!r}")
+                    f"Compression.quantize(bits=4)), \"auto\", or an object with "
+                    f"compress/decompress, got {obj!r}")

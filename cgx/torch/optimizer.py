@@ -178,7 +178,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if cfg is None:
             raise CGXError("DistributedOptimizer needs cgx.torch.init() to be called first")
         self._config = cfg
-        groups = self.__dict__["param_groups"]
+        groups = self._groups()
         self._trainable = tuple(p.requires_grad for g in groups for p in g["params"])
         params = [p for g in groups for p in g["params"] if p.requires_grad]
         for p in params:
@@ -241,7 +241,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _trainable_changed(self) -> bool:
         """Did parameters get frozen or unfrozen since the buckets were built?"""
-        return tuple(p.requires_grad for g in self.__dict__["param_groups"]
+        return tuple(p.requires_grad for g in self._groups()
                      for p in g["params"]) != self._trainable
 
     @property
@@ -255,11 +255,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.__dict__.get("_handles") and threading.current_thread().name != "cgx-engine":
             self.synchronize()
             self._auto_synced = True
-        return self.__dict__["param_groups"]
+        return self._groups()
 
     @param_groups.setter
     def param_groups(self, value) -> None:
-        self.__dict__["param_groups"] = value
+        inner = self.__dict__.get("_optimizer")
+        if inner is not None:
+            inner.param_groups = value
+
+    def _groups(self) -> list:
+        # Always the wrapped optimizer's own list: its load_state_dict() replaces it.
+        inner = self.__dict__.get("_optimizer")
+        return inner.param_groups if inner is not None else []
+
+    @property
+    def state(self):
+        """The wrapped optimizer's state (shared, also after its ``load_state_dict()``)."""
+        inner = self.__dict__.get("_optimizer")
+        return inner.state if inner is not None else {}
+
+    @state.setter
+    def state(self, value) -> None:
+        inner = self.__dict__.get("_optimizer")
+        if inner is not None:
+            inner.state = value
 
     def _make_buckets(self, params, cap_bytes) -> list[list[int]]:
         if self._user_groups is not None:
@@ -383,6 +402,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def _specs(self) -> list:
         return self._plan.specs
+
+    def compression_plan(self) -> list[dict]:
+        """Per parameter: layer, shape, family, level, bytes, error and share of the error
+        budget of the current plan (``compression="auto"``; else the fixed settings).
+
+        Example::
+
+            from cgx.adaptive import format_plan
+            print(format_plan(opt.compression_plan()))
+        """
+        return self._plan.compression_plan()
 
     def synchronize(self) -> None:
         """Finish the gradient exchange of this step: afterwards ``p.grad`` holds the average.

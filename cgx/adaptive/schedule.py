@@ -1,0 +1,190 @@
+"""When plans are made, and what survives them: windows, re-planning, state.
+
+Timeline (``w`` = warmup_steps, ``n`` = window, ``A`` = adjust_every)::
+
+    steps [0, w)           exact exchange (warm-up)
+    steps [w, w + n)       the uniform default; gradients accumulated
+    step  w + n            first plan, then every A steps: each plan from the
+                           gradients of the n steps before it
+
+The statistics (one table per rank) are averaged with one allreduce and the
+solver is deterministic, so every rank holds the same plan. A plan change
+keeps what it can: error-feedback residuals stay with their layers (a layer
+that turns exact hands its residual over to its next gradient).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+from cgx.adaptive.candidates import Candidate, Family, candidates_for
+from cgx.adaptive.solver import solve
+from cgx.adaptive.stats import combine, error_table
+from cgx.compression.auto import AutoCompression
+from cgx.config import Config, Rounding
+
+STATE_FORMAT = 1
+
+
+class AdaptiveSchedule:
+    """The adaptive plan of one gradient list, and the statistics it is made from.
+
+    Args:
+        names, shapes: the gradients (plan order).
+        eligible: which gradients may be compressed at all (the layer rules:
+            small and 1-D tensors stay exact and are not planned).
+        settings: the :class:`AutoCompression` settings.
+        config: defaults (the uniform default level, rounding, error feedback).
+
+    Attributes:
+        plan: the current :class:`Candidate` per gradient (None: not planned, exact).
+        plans_made: how many plans so far.
+        table: rows of the current plan (see :meth:`rows`).
+    """
+
+    def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]],
+                 eligible: Sequence[bool], settings: AutoCompression, config: Config):
+        self.names = list(names)
+        self.shapes = [tuple(s) for s in shapes]
+        self.settings = settings
+        self.rounding: Rounding = settings.rounding or config.rounding
+        self.default = Candidate(Family.QUANTIZE, config.bits if 1 <= config.bits <= 8 else 4,
+                                 config.bucket_size)
+        fams = [Family(f) for f in settings.families]
+        self.candidates = [candidates_for(s, fams, settings.bits, settings.bucket_sizes)
+                           if ok else None for s, ok in zip(self.shapes, eligible)]
+        for cands in self.candidates:
+            if cands is not None and self.default not in cands:
+                cands.append(self.default)
+        self.plan: list[Optional[Candidate]] = [self.default if c is not None else None
+                                                for c in self.candidates]
+        self.next_plan = settings.warmup_steps + settings.window
+        self.plans_made = 0
+        self._acc: dict[str, torch.Tensor] = {}
+        self._errors: Optional[list] = None  # combined table of the last plan
+        self.budget = 0.0
+
+    # -- what travels now ------------------------------------------------------------
+
+    def specs(self, step: int) -> list:
+        """Per gradient: a QuantSpec, or None (exact) - warm-up included."""
+        if step < self.settings.warmup_steps:
+            return [None] * len(self.names)
+        return [c.spec(self.rounding) if c is not None else None for c in self.plan]
+
+    # -- statistics ----------------------------------------------------------------------
+
+    def observing(self, step: int) -> bool:
+        return self.next_plan - self.settings.window <= step < self.next_plan
+
+    def observe(self, step: int, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
+        """Add this step's gradients (what the compressor sees) to the window's sums.
+
+        Hidden cost: one add per planned gradient during the ``window`` steps
+        before a plan, and one float32 buffer per planned layer meanwhile.
+        """
+        if not self.observing(step):
+            return
+        for i, g in zip(indices, grads):
+            if self.candidates[i] is None:
+                continue
+            acc = self._acc.get(self.names[i])
+            if acc is None:
+                self._acc[self.names[i]] = g.detach().reshape(-1).to(torch.float32).clone()
+            else:
+                acc.add_(g.detach().reshape(-1))
+
+    def due(self, step: int) -> bool:
+        return step >= self.next_plan
+
+    def replan(self, step: int, transport, threads: int = 1, verbose: bool = False) -> bool:
+        """Make the next plan from the window's sums (a collective: call it on every rank at
+        the same point). Returns True when the plan changed."""
+        planned = [i for i, c in enumerate(self.candidates) if c is not None]
+        grads = [self._acc.get(self.names[i], torch.zeros(math.prod(self.shapes[i])))
+                 for i in planned]
+        local = error_table(grads, [self.candidates[i] for i in planned], threads)
+        errors = combine(local, transport)
+        costs = [[c.wire_bytes(math.prod(self.shapes[i])) for c in self.candidates[i]]
+                 for i in planned]
+        ref = [self.candidates[i].index(self.default) for i in planned]
+        self.budget = self.settings.alpha * sum(e[j] for e, j in zip(errors, ref))
+        solution = solve(costs, errors, self.budget, reference=ref)
+        old = list(self.plan)
+        for i, j in zip(planned, solution.choice):
+            self.plan[i] = self.candidates[i][j]
+        self._errors = {i: (errors[k], costs[k]) for k, i in enumerate(planned)}
+        self.plans_made += 1
+        self._acc.clear()
+        self.next_plan = step + self.settings.adjust_every
+        changed = old != self.plan
+        if verbose and changed and transport.rank == 0:
+            print(f"[cgx] compression plan {self.plans_made} at step {step}:\n"
+                  + format_plan(self.rows()), file=sys.stderr, flush=True)
+        return changed
+
+    # -- visibility --------------------------------------------------------------------
+
+    def rows(self) -> list[dict]:
+        """Per gradient: layer, shape, family, level, bytes, error, share of the budget."""
+        out = []
+        for i, (n, s) in enumerate(zip(self.names, self.shapes)):
+            c = self.plan[i]
+            numel = math.prod(s)
+            row = {"layer": n, "shape": s, "family": "exact" if c is None else c.family.value,
+                   "level": "exact (not planned)" if c is None else c.label,
+                   "bytes": 4 * numel if c is None else c.wire_bytes(numel),
+                   "error": 0.0, "share": 0.0}
+            if c is not None and self._errors is not None and i in self._errors:
+                errs, _ = self._errors[i]
+                row["error"] = errs[self.candidates[i].index(c)]
+                row["share"] = row["error"] / self.budget if self.budget > 0 else 0.0
+            out.append(row)
+        return out
+
+    # -- state -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"format": STATE_FORMAT, "next_plan": self.next_plan,
+                "plans_made": self.plans_made, "budget": self.budget,
+                "plan": {n: (c.family.value, c.bits, c.bucket_size)
+                         for n, c in zip(self.names, self.plan) if c is not None},
+                "errors": None if self._errors is None else
+                {self.names[i]: v for i, v in self._errors.items()},
+                "acc": {k: v.clone() for k, v in self._acc.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"expected an adaptive-plan state of format {STATE_FORMAT}")
+        # By layer name: layers added since (unfrozen, a new param group) keep the default.
+        self.next_plan = int(state["next_plan"])
+        self.plans_made = int(state["plans_made"])
+        self.budget = float(state["budget"])
+        for i, n in enumerate(self.names):
+            c = state["plan"].get(n)
+            if c is not None and self.candidates[i] is not None:
+                self.plan[i] = Candidate(Family(c[0]), int(c[1]), int(c[2]))
+        index = {n: i for i, n in enumerate(self.names)}
+        self._errors = None if state["errors"] is None else \
+            {index[n]: v for n, v in state["errors"].items() if n in index}
+        self._acc = {k: v.clone() for k, v in state["acc"].items() if k in index}
+
+
+def format_plan(rows: list[dict]) -> str:
+    """A markdown table of :meth:`AdaptiveSchedule.rows`."""
+    lines = ["| layer | shape | family | level | bytes | error | share of budget |",
+             "|---|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        shape = "x".join(map(str, r["shape"])) or "scalar"
+        lines.append(f"| {r['layer']} | {shape} | {r['family']} | {r['level']} | "
+                     f"{r['bytes']:,} | {r['error']:.4g} | {100 * r['share']:.1f}% |")
+    total = sum(r["bytes"] for r in rows)
+    lines.append(f"| **total** | | | | **{total:,}** | | |")
+    return "\n".join(lines)
+
+
+__all__ = ["AdaptiveSchedule", "AutoCompression", "format_plan"]

@@ -1,0 +1,139 @@
+"""The L-GreCo knapsack: per layer one candidate, minimal total bytes, total error within budget.
+
+Minimize ``sum_l cost[l][c_l]`` subject to ``sum_l error[l][c_l] <= budget``.
+Errors are discretized into integer units of ``budget / units`` (at least
+10,000 units) and a dynamic program over (layer, error used) keeps the
+cheapest cost, with backtracking through the stored choices. Rounding each
+error *up* to whole units keeps every plan the DP returns within the real
+budget. When rounding up leaves no feasible plan, the budget is rounded to
+the nearest unit instead and the result checked against the real budget, and
+as a last resort the reference plan (the uniform default, which meets the
+budget by definition for ``alpha >= 1``) is returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+
+DEFAULT_UNITS = 10_000
+
+
+@dataclasses.dataclass
+class Plan:
+    """A solution: the chosen candidate index per layer, its cost and error."""
+
+    choice: list
+    cost: float
+    error: float
+    budget: float
+
+
+def _pareto(c: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """Indices of the candidates no other one beats on both cost and error."""
+    order = np.lexsort((c, e))  # by error, then cost
+    keep, best = [], np.inf
+    for j in order:
+        if c[j] < best:
+            keep.append(j)
+            best = c[j]
+    return np.asarray(keep, dtype=np.int64)
+
+
+def _dp(costs: list, units_err: list, capacity: int) -> Optional[list]:
+    """Cheapest choice per layer with total discretized error <= capacity (None: infeasible).
+
+    dp_l[e] = the least cost of layers 0..l with discretized error exactly e: per
+    layer and candidate one shifted add and minimum over a float32 vector (in
+    place, no temporaries). Dominated candidates are dropped first; the dp rows
+    are kept and the choices recovered by backtracking through them.
+    """
+    n = capacity + 1
+    dp = np.full(n, np.inf, dtype=np.float32)
+    dp[0] = 0.0
+    rows = []
+    tmp = np.empty(n, dtype=np.float32)
+    kept = []
+    for c, e in zip(costs, units_err):
+        idx = _pareto(c, e)
+        idx = idx[e[idx] <= capacity]
+        if len(idx) == 0:
+            return None
+        new = np.full(n, np.inf, dtype=np.float32)
+        for j in idx:
+            ej = int(e[j])
+            np.add(dp[:n - ej], np.float32(c[j]), out=tmp[:n - ej])
+            np.minimum(new[ej:], tmp[:n - ej], out=new[ej:])
+        rows.append(dp)
+        kept.append(idx)
+        dp = new
+    end = int(np.argmin(dp))
+    if not np.isfinite(dp[end]):
+        return None
+    choice = [0] * len(costs)
+    e, value = end, dp[end]
+    for layer in range(len(costs) - 1, -1, -1):
+        prev, c, ue = rows[layer], costs[layer], units_err[layer]
+        # the candidate that produced dp_layer[e] (float32: compare with a tolerance)
+        best_j, best_gap = None, np.inf
+        for j in kept[layer]:
+            ej = int(ue[j])
+            if ej <= e and np.isfinite(prev[e - ej]):
+                gap = abs(float(prev[e - ej]) + float(np.float32(c[j])) - float(value))
+                if gap < best_gap:
+                    best_j, best_gap = int(j), gap
+        choice[layer] = best_j
+        e -= int(ue[best_j])
+        value = prev[e]
+    return choice
+
+
+def solve(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], budget: float,
+          *, units: int = DEFAULT_UNITS, reference: Optional[Sequence[int]] = None) -> Plan:
+    """Pick one candidate per layer: minimal total cost with total error <= ``budget``.
+
+    Args:
+        costs, errors: per layer, per candidate (the same shape).
+        budget: the largest total error allowed.
+        units: error discretization (>= 10,000 by default).
+        reference: a plan known to be within budget (returned if nothing better is).
+
+    Returns:
+        The :class:`Plan`.
+    """
+    if len(costs) != len(errors) or any(len(c) != len(e) for c, e in zip(costs, errors)):
+        raise ValueError("costs and errors must have the same shape: one list per layer, one "
+                         "value per candidate")
+    if any(len(c) == 0 for c in costs):
+        raise ValueError("every layer needs at least one candidate")
+    if not budget >= 0:
+        raise ValueError(f"budget must be >= 0, got {budget!r}")
+    costs = [np.asarray(c, dtype=np.float64) for c in costs]
+    errors = [np.asarray(e, dtype=np.float64) for e in errors]
+
+    def total(choice):
+        return (float(sum(c[j] for c, j in zip(costs, choice))),
+                float(sum(e[j] for e, j in zip(errors, choice))))
+
+    best = None
+    if budget > 0:
+        unit = budget / units
+        choice = _dp(costs, [np.ceil(e / unit - 1e-9).astype(np.int64) for e in errors], units)
+        if choice is None:  # rounding up cost too much: round to nearest, then check
+            choice = _dp(costs, [np.rint(e / unit).astype(np.int64) for e in errors], units)
+        if choice is not None and total(choice)[1] <= budget * (1 + 1e-12):
+            best = choice
+    else:  # only zero-error candidates fit
+        zero = [[j for j in range(len(e)) if e[j] == 0] for e in errors]
+        if all(zero):
+            best = [min(z, key=lambda j, c=c: c[j]) for z, c in zip(zero, costs)]
+    if reference is not None:
+        ref_cost, ref_err = total(reference)
+        if best is None or (ref_err <= budget * (1 + 1e-12) and ref_cost < total(best)[0]):
+            best = list(reference)
+    if best is None:
+        raise ValueError("no plan meets the error budget (and no reference plan was given)")
+    cost, err = total(best)
+    return Plan([int(j) for j in best], cost, err, float(budget))

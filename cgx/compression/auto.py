@@ -1,0 +1,98 @@
+"""``Compression.auto(...)``: the settings of per-layer adaptive compression.
+
+This object only holds and validates the settings; the work is done by
+:mod:`cgx.adaptive` (statistics, candidates, the solver, the schedule), driven
+by the gradient plan of ``DistributedOptimizer``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from cgx.compression.base import Compressor, CompressorKind
+from cgx.config import Rounding
+
+FAMILIES = ("quantize",)  # families cgx.adaptive chooses from today
+
+
+class AutoCompression(Compressor):
+    """Per-layer levels chosen within an error budget (L-GreCo); see :mod:`cgx.adaptive`.
+
+    Args:
+        alpha: the plan's total error may be at most ``alpha`` times the error of
+            the uniform default (``CGX_COMPRESSION_QUANTIZATION_BITS`` /
+            ``..._BUCKET_SIZE``); > 0. 1.0: as accurate as the default, fewer bytes.
+        families: compressor families a layer may pick from (``"quantize"``).
+        window: steps whose gradients are accumulated for the statistics (> 0).
+        adjust_every: re-plan every this many steps (>= window).
+        warmup_steps: exact exchange for the first steps (as PyTorch's
+            ``start_powerSGD_iter`` and DeepSpeed's ``freeze_step``).
+        bits, bucket_sizes: the quantization levels to choose from.
+        rounding: rounding of what is sent (default: ``CGX_COMPRESSION_ROUNDING``).
+        error_feedback: keep residuals (default: ``CGX_COMPRESSION_ERROR_FEEDBACK``).
+    """
+
+    kind = CompressorKind.QUANTIZE
+    summable = False
+
+    def __init__(self, alpha: float = 1.0, families: Sequence[str] = FAMILIES,
+                 window: int = 10, adjust_every: int = 1000, warmup_steps: int = 0,
+                 bits: Sequence[int] = (2, 3, 4, 5, 6, 8),
+                 bucket_sizes: Sequence[int] = (128, 512, 1024, 4096),
+                 rounding: "Optional[Rounding | str]" = None,
+                 error_feedback: Optional[bool] = None):
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+            raise ValueError(f"alpha={alpha!r} must be a number > 0: the plan's error may be "
+                             "alpha times the uniform default's (1.0: as accurate)")
+        fams = (families,) if isinstance(families, str) else tuple(families)
+        if not fams:
+            raise ValueError("families is empty; name at least one, e.g. families=('quantize',)")
+        for f in fams:
+            if str(f).lower() not in FAMILIES:
+                raise ValueError(f"unknown compressor family {f!r} for Compression.auto; "
+                                 f"expected one of: {', '.join(FAMILIES)}")
+        for name, v, lo in (("window", window, 1), ("adjust_every", adjust_every, 1),
+                            ("warmup_steps", warmup_steps, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name}={v!r} must be an int >= {lo}")
+        if adjust_every < window:
+            raise ValueError(f"adjust_every={adjust_every} is shorter than window={window}: "
+                             "each plan needs a full window of statistics")
+        from cgx.config import validate_bits, validate_bucket_size
+        bits = tuple(validate_bits(int(b), "Compression.auto bits") for b in bits)
+        if not bits or any(b > 8 for b in bits):
+            raise ValueError(f"bits={bits!r} must name levels in 1..8")
+        bucket_sizes = tuple(validate_bucket_size(int(b), "Compression.auto bucket_sizes")
+                             for b in bucket_sizes)
+        if not bucket_sizes:
+            raise ValueError("bucket_sizes is empty; e.g. (512, 1024)")
+        if rounding is not None and not isinstance(rounding, Rounding):
+            try:
+                rounding = Rounding(str(rounding).lower())
+            except ValueError:
+                raise ValueError(f"rounding={rounding!r}; expected 'nearest' or "
+                                 "'stochastic'") from None
+        if error_feedback is not None and not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be True, False or None, got "
+                            f"{error_feedback!r}")
+        self.alpha = float(alpha)
+        self.families = tuple(str(f).lower() for f in fams)
+        self.window, self.adjust_every, self.warmup_steps = window, adjust_every, warmup_steps
+        self.bits, self.bucket_sizes = bits, bucket_sizes
+        self.rounding, self.error_feedback = rounding, error_feedback
+
+    def compress(self, tensor, name=None):
+        raise ValueError("Compression.auto chooses per-layer levels for the gradient exchange of "
+                         "DistributedOptimizer; a single allreduce takes a fixed compressor, "
+                         "e.g. Compression.quantize(bits=4)")
+
+    def decompress(self, payload, ctx):
+        raise ValueError("Compression.auto has no payload of its own")
+
+    def __repr__(self) -> str:
+        return (f"AutoCompression(alpha={self.alpha:g}, families={self.families}, "
+                f"window={self.window}, adjust_every={self.adjust_every}, "
+                f"warmup_steps={self.warmup_steps}, bits={self.bits}, "
+                f"bucket_sizes={self.bucket_sizes}, rounding="
+                f"{None if self.rounding is None else self.rounding.value}, "
+                f"error_feedback={self.error_feedback})")
