@@ -168,6 +168,9 @@ class GradientPlan:
             cfg if cfg.quantization_enabled else cfg.replace(bits=4)) \
             if mode is GradMode.AUTO else None
         self._last_step: Optional[int] = None
+        # Exact exchange for the first steps (Compression.quantize/topk(warmup_steps=...),
+        # PowerSGD's start_step plays that role for it).
+        self.warmup_steps = int(getattr(comp, "warmup_steps", 0) or 0)
 
     def reduce(self, grads: list, *, name: str, step: Optional[int] = None,
                indices: Optional[Sequence[int]] = None, shadow: bool = False) -> list:
@@ -200,6 +203,10 @@ class GradientPlan:
         work = [g if g.device == dev and g.is_contiguous() else g.contiguous().to(dev)
                 for g in grads]
         pre, post = 1.0 / self.predivide, self.predivide
+        if step < self.warmup_steps and self.mode in (GradMode.QUANTIZE, GradMode.PER_TENSOR):
+            red.allreduce(work, None, op=self.op, prescale_factor=pre, postscale_factor=post,
+                          name=name, step=step)
+            return [w if w.device == g.device else w.to(g.device) for w, g in zip(work, grads)]
         if self.mode is GradMode.AUTO:
             specs = self._auto_specs(red, step, idx, work, shadow)
         if self.mode in (GradMode.EXACT, GradMode.QUANTIZE, GradMode.AUTO):

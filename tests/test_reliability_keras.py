@@ -68,6 +68,15 @@ def _keras_scenarios(rank, world):
         out[f"rules_{kind}"] = "ok"
         out[f"stats_{kind}"] = sorted(hist.history)
 
+    # compression="auto" on the Keras path: a plan is made, the same on every rank.
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(256, activation="tanh"),
+                              keras.layers.Dense(64), keras.layers.Dense(3)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01),
+                                   compression=hvd.Compression.auto(window=2, adjust_every=4))
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    model.fit(x, y, batch_size=BATCH // 2, epochs=1, shuffle=False, verbose=0)
+    out["auto_plan"] = [(r["layer"], r["level"]) for r in opt.compression_plan()]
+
     # mixed_float16: an overflow on one rank only must skip the step on every rank, not hang.
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -115,3 +124,5 @@ def test_keras_reliability_scenarios():
         assert o["mixed_finite"]
     assert outs[0]["mixed_scale"] == outs[1]["mixed_scale"] < 2.0 ** 15  # lowered together
     assert outs[0]["mixed_weights"] == outs[1]["mixed_weights"]
+    assert outs[0]["auto_plan"] == outs[1]["auto_plan"] and len(outs[0]["auto_plan"]) == 6
+    assert any("bit" in level for _, level in outs[0]["auto_plan"])

@@ -33,6 +33,14 @@ from cgx.compression.topk import TopKCompressor
 from cgx.config import Rounding
 
 
+def _with_warmup(comp: Compressor, warmup_steps: int) -> Compressor:
+    """Mark ``comp`` to travel exact for the first ``warmup_steps`` optimizer steps."""
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r} must be an int >= 0")
+    comp.warmup_steps = warmup_steps
+    return comp
+
+
 def _check_flag(value, what: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{what} must be True or False, got {value!r}")
@@ -56,7 +64,8 @@ class Compression:
 
     @staticmethod
     def quantize(bits: int = 4, bucket_size: int = 1024, rounding: Rounding | str = "stochastic",
-                 error_feedback: bool = False, seed: int = 0) -> Compressor:
+                 error_feedback: bool = False, seed: int = 0,
+                 warmup_steps: int = 0) -> Compressor:
         """Max-min bucket quantization (CGX); see :class:`QuantizeCompressor`.
 
         Args:
@@ -65,9 +74,12 @@ class Compression:
             rounding: ``"stochastic"`` (unbiased) or ``"nearest"``.
             error_feedback: wrap in :class:`ErrorFeedback`.
             seed: stochastic-rounding seed, the same on every rank.
+            warmup_steps: in ``DistributedOptimizer``, exact exchange for the first steps
+                (as PyTorch's ``start_powerSGD_iter`` and DeepSpeed's ``freeze_step``).
         """
         comp = QuantizeCompressor(bits=bits, bucket_size=bucket_size, rounding=rounding, seed=seed)
-        return ErrorFeedback(comp) if _check_flag(error_feedback, "error_feedback") else comp
+        comp = ErrorFeedback(comp) if _check_flag(error_feedback, "error_feedback") else comp
+        return _with_warmup(comp, warmup_steps)
 
     @staticmethod
     def auto(alpha: float = 1.0, families=("quantize",), window: int = 10,
@@ -83,13 +95,16 @@ class Compression:
                                adjust_every=adjust_every, warmup_steps=warmup_steps, **kwargs)
 
     @staticmethod
-    def topk(density: float = 0.01, error_feedback: bool = True) -> Compressor:
+    def topk(density: float = 0.01, error_feedback: bool = True,
+             warmup_steps: int = 0) -> Compressor:
         """Top-k sparsification keeping ``density`` of each tensor; see :class:`TopKCompressor`.
 
         Error feedback is on by default: top-k without it is biased and loses accuracy.
+        ``warmup_steps``: exact exchange for the first optimizer steps.
         """
         comp = TopKCompressor(density=density)
-        return ErrorFeedback(comp) if _check_flag(error_feedback, "error_feedback") else comp
+        comp = ErrorFeedback(comp) if _check_flag(error_feedback, "error_feedback") else comp
+        return _with_warmup(comp, warmup_steps)
 
     @staticmethod
     def powersgd(rank: int = 1, min_compression_rate: float = 2.0, start_step: int = 0,

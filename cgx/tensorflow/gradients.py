@@ -101,6 +101,11 @@ class GradientExchange:
                 self._plans[key] = plan
             return plan
 
+    def compression_plan(self) -> list[dict]:
+        """Rows of the current per-layer plan (see ``GradientPlan.compression_plan``)."""
+        with self._lock:
+            return [row for plan in self._plans.values() for row in plan.compression_plan()]
+
     @tf.autograph.experimental.do_not_convert
     def __call__(self, grads: Sequence, variables: Sequence, names: Optional[Sequence] = None,
                  step=None) -> list:

@@ -91,3 +91,31 @@ def test_checkpoint_with_a_plan_resumes_bit_exactly_in_fresh_processes():
     for r in range(2):
         for p, q in zip(full[r], resumed[r]):
             assert torch.equal(p, q)
+
+
+def _warmup(rank, world, comp_name):
+    import cgx.torch as hvd
+    hvd.init()
+    comps = {"exact": hvd.Compression.exact,
+             "quantize": hvd.Compression.quantize(bits=2, warmup_steps=3),
+             "topk": hvd.Compression.topk(density=0.01, warmup_steps=3),
+             "auto": hvd.Compression.auto(window=2, adjust_every=4, warmup_steps=3)}
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(),
+                                   compression=comps[comp_name])
+    out = []
+    for step in range(5):
+        _train(hvd, model, opt, 1, start=step)
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("comp", ["quantize", "topk", "auto"])
+def test_warmup_steps_travel_exact(comp):
+    exact = run_gloo(_warmup, 2, "exact")[0]
+    got = run_gloo(_warmup, 2, comp)[0]
+    for step in range(3):  # the warm-up: bit-identical to the exact exchange
+        for p, q in zip(got[step], exact[step]):
+            assert torch.equal(p, q), (comp, step)
+    assert not all(torch.equal(p, q) for p, q in zip(got[4], exact[4]))  # compressed after

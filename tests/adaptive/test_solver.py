@@ -104,3 +104,10 @@ def test_auto_string_and_env():
     with pytest.raises(ConfigError, match="auto_window=60 must be in"):
         Config.from_env({"CGX_AUTO_WINDOW": "60", "CGX_AUTO_ADJUST_EVERY": "50"})
     assert math.isfinite(cfg.auto_alpha)
+
+
+@pytest.mark.parametrize("factory", [Compression.quantize, Compression.topk])
+def test_warmup_steps_validation(factory):
+    with pytest.raises(ValueError, match="warmup_steps=-1 must be an int >= 0"):
+        factory(warmup_steps=-1)
+    assert factory(warmup_steps=5).warmup_steps == 5

@@ -215,6 +215,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         tf.cond(tf.convert_to_tensor(self._pending) >= self._bpps, exchange_and_apply,
                 count_only)
 
+    def compression_plan(self) -> list[dict]:
+        """Per variable: layer, shape, family, level, bytes, error and share of the error
+        budget of the current plan (``compression="auto"``; see ``cgx.adaptive.format_plan``)."""
+        return self._exchange.compression_plan()
+
     def set_compression(self, compression) -> None:
         """Use ``compression`` from the next step on (e.g. after loading a saved model)."""
         tf_side_compressor(compression)
