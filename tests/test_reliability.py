@@ -205,7 +205,7 @@ STALL_CODE = """
     for step in range(4):
         if step == 2 and r == 2:
             if mode == "stall":
-                time.sleep(40)
+                time.sleep(14)  # longer than CGX_TIMEOUT_S below
             else:
                 os._exit(9)
         t0 = time.time()
@@ -432,3 +432,24 @@ def test_a_second_optimizer_on_the_same_model_takes_over():
         for p, q in zip(outs[r], ref.parameters()):
             torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
     assert not math.isnan(float(outs[0][0].sum()))
+
+
+# -- Horovod's capability queries ----------------------------------------------------------
+
+def _capabilities(rank, world):
+    hvd = _hvd()
+    return {f: getattr(hvd, f)() for f in ("mpi_built", "mpi_enabled", "gloo_built",
+                                           "gloo_enabled", "nccl_built", "cuda_built",
+                                           "rocm_built", "ddl_built", "ccl_built",
+                                           "is_homogeneous")}
+
+
+def test_horovod_capability_queries():
+    import importlib.util
+    o = run_gloo(_capabilities, 2)[0]
+    assert o["gloo_built"] and o["gloo_enabled"] and not o["mpi_enabled"]
+    assert o["mpi_built"] == (importlib.util.find_spec("mpi4py") is not None)
+    assert o["cuda_built"] == (torch.version.cuda is not None)
+    assert o["nccl_built"] == torch.distributed.is_nccl_available()
+    assert not o["ddl_built"] and not o["ccl_built"] and not o["rocm_built"]
+    assert o["is_homogeneous"]

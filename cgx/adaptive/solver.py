@@ -56,6 +56,7 @@ def _dp(costs: list, units_err: list, capacity: int) -> Optional[list]:
     rows = []
     tmp = np.empty(n, dtype=np.float32)
     kept = []
+    reach = 0  # the largest error index with a finite cost so far
     for c, e in zip(costs, units_err):
         idx = _pareto(c, e)
         idx = idx[e[idx] <= capacity]
@@ -64,8 +65,10 @@ def _dp(costs: list, units_err: list, capacity: int) -> Optional[list]:
         new = np.full(n, np.inf, dtype=np.float32)
         for j in idx:
             ej = int(e[j])
-            np.add(dp[:n - ej], np.float32(c[j]), out=tmp[:n - ej])
-            np.minimum(new[ej:], tmp[:n - ej], out=new[ej:])
+            m = min(n - ej, reach + 1)  # dp is inf beyond `reach`: skip that part
+            np.add(dp[:m], np.float32(c[j]), out=tmp[:m])
+            np.minimum(new[ej:ej + m], tmp[:m], out=new[ej:ej + m])
+        reach = min(n - 1, reach + int(e[idx].max()))
         rows.append(dp)
         kept.append(idx)
         dp = new

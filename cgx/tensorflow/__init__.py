@@ -68,6 +68,9 @@ from cgx.runtime import (cross_rank, cross_size, is_initialized, local_rank, loc
                          size)
 from cgx.session import mpi_threads_supported
 from cgx import session as _session
+from cgx.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                              is_homogeneous, mpi_built, mpi_enabled, nccl_built,
+                              rocm_built)
 from cgx.compression import Compression
 from cgx.config import Config, Rounding
 from cgx.tensorflow._bridge import XLAUnsupportedError
@@ -97,6 +100,8 @@ def __getattr__(name):
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported", "stats", "start_timeline",
+    "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
+    "rocm_built", "ddl_built", "ccl_built", "is_homogeneous",
     "stop_timeline",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ProcessSet", "global_process_set",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "barrier",

@@ -19,6 +19,9 @@ from __future__ import annotations
 from cgx.runtime import (cross_rank, cross_size, is_initialized, local_rank, local_size, rank,
                          size)
 from cgx.session import mpi_threads_supported
+from cgx.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                              is_homogeneous, mpi_built, mpi_enabled, nccl_built,
+                              rocm_built)
 from cgx.compression import Compression
 from cgx.config import Config, Rounding
 from cgx import session as _session
@@ -46,6 +49,8 @@ stop_timeline = _session.stop_timeline
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported", "stats", "start_timeline",
+    "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
+    "rocm_built", "ddl_built", "ccl_built", "is_homogeneous",
     "stop_timeline",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ProcessSet", "global_process_set",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
