@@ -68,6 +68,19 @@ def _keras_scenarios(rank, world):
         out[f"rules_{kind}"] = "ok"
         out[f"stats_{kind}"] = sorted(hist.history)
 
+    # Ranks that disagree get Horovod's TensorFlow error, eager and in a graph, on every rank.
+    for mode in ("eager", "graph"):
+        def call():
+            return hvd.allreduce(tf.ones([1000 if rank == 0 else 1024]), name=f"tf.{mode}")
+        try:
+            (tf.function(call) if mode == "graph" else call)().numpy()  # errors surface here
+            out[f"mismatch_{mode}"] = "no error"
+        except tf.errors.OpError as e:
+            # Horovod's FailedPreconditionError eagerly; inside a graph tf.py_function
+            # can only report it as an UnknownError (with the same message).
+            out[f"mismatch_{mode}"] = f"{type(e).__name__}: {e.message}"
+    out["after_mismatch"] = np.asarray(hvd.allreduce(tf.ones([2]), name="tf.ok")).tolist()
+
     # compression="auto" on the Keras path: a plan is made, the same on every rank.
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(256, activation="tanh"),
                               keras.layers.Dense(64), keras.layers.Dense(3)])
@@ -124,5 +137,10 @@ def test_keras_reliability_scenarios():
         assert o["mixed_finite"]
     assert outs[0]["mixed_scale"] == outs[1]["mixed_scale"] < 2.0 ** 15  # lowered together
     assert outs[0]["mixed_weights"] == outs[1]["mixed_weights"]
+    for o in outs:
+        for mode in ("eager", "graph"):
+            assert "rank 0 has (1000,), rank 1 has (1024,)" in o[f"mismatch_{mode}"], o
+        assert o["mismatch_eager"].startswith("FailedPreconditionError")
+        assert o["after_mismatch"] == [1.0, 1.0]
     assert outs[0]["auto_plan"] == outs[1]["auto_plan"] and len(outs[0]["auto_plan"]) == 6
     assert any("bit" in level for _, level in outs[0]["auto_plan"])

@@ -39,6 +39,13 @@ def _collectives(rank, world):
     w = torch.ones(3, requires_grad=True)
     hvd.allreduce(w * (rank + 1)).sum().backward()
     out["grad"] = w.grad
+    # Horovod's gradient rules: allgather and broadcast average the gradient over ranks
+    v = torch.full((rank + 1, 2), 1.0, requires_grad=True)
+    (hvd.allgather(v, name="ag") * torch.arange(6.0).view(3, 2)).sum().backward()
+    out["grad_allgather"] = v.grad
+    u = torch.ones(3, requires_grad=True)
+    (hvd.broadcast(u, root_rank=1, name="bc") * (rank + 1)).sum().backward()
+    out["grad_broadcast"] = u.grad
     # allgather with different first dimensions per rank
     out["gather"] = hvd.allgather(torch.full((rank + 1, 2), r))
     out["bcast"] = hvd.broadcast(torch.tensor([r, r]), root_rank=1)
@@ -86,6 +93,9 @@ def test_collectives_match_horovod_semantics():
         assert (out["q8"] - exact).abs().max() < 8 / 255 * 2 * 4  # two 8-bit quantizations
         assert (out["fp16"] - exact).abs().max() < 1e-2
         assert torch.equal(out["grad"], torch.full((3,), r + 1.0))  # allreduce(1) * (rank + 1)
+        rows = slice(0, 1) if r == 0 else slice(1, 3)
+        assert torch.equal(out["grad_allgather"], torch.arange(6.0).view(3, 2)[rows])
+        assert torch.equal(out["grad_broadcast"], torch.full((3,), 1.5 if r == 1 else 0.0))
         assert torch.equal(out["gather"], torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]))
         assert torch.equal(out["bcast"], torch.tensor([1.0, 1.0]))
         assert torch.equal(out["bcast_"], torch.tensor([0.0]))

@@ -26,6 +26,8 @@ import tensorflow as tf
 import torch
 import torch.utils.dlpack
 
+from cgx.errors import CollectiveMismatchError
+
 # TF's CPU allocator aligns buffers to 64 bytes and its kernels assume it
 # (a misaligned buffer aborts the process in Eigen); torch allocations are
 # 64-byte aligned too, but a view at an offset (a slice of a gathered buffer)
@@ -92,6 +94,19 @@ def _op_name(label: str) -> str:
     return "cgx_" + name
 
 
+def _horovod_errors(fn):
+    """Ranks that disagree on a collective get Horovod's TensorFlow error type,
+    ``tf.errors.FailedPreconditionError``, on every rank. (Inside a graph,
+    ``tf.py_function`` reports any Python error as ``tf.errors.UnknownError``,
+    with the same message.)"""
+    def wrapped(*args):
+        try:
+            return fn(*args)
+        except CollectiveMismatchError as e:
+            raise tf.errors.FailedPreconditionError(None, None, str(e)) from e
+    return wrapped
+
+
 def run_collective(fn: Callable[..., Sequence[tf.Tensor]], inputs: Sequence[tf.Tensor],
                    dtypes: Sequence[tf.DType], shapes: Sequence[tf.TensorShape],
                    label: str) -> list:
@@ -103,6 +118,7 @@ def run_collective(fn: Callable[..., Sequence[tf.Tensor]], inputs: Sequence[tf.T
         dtypes, shapes: of the outputs (shapes may be partly unknown).
         label: names the op and the error messages.
     """
+    fn = _horovod_errors(fn)
     if tf.executing_eagerly():
         return list(fn(*inputs))
     if in_xla_context():

@@ -173,13 +173,14 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
         y = run_collective(body, [a], [a.dtype], [shape], name)[0]
 
         def grad(dy):
-            summed = allreduce(dy, op=Sum, name=name + ".grad")
+            # Horovod's rule: averaged over ranks, then this rank's rows.
+            averaged = allreduce(dy, op=Average, name=name + ".grad")
             if a.shape.rank == 0:
-                return summed[runtime.rank()]
+                return averaged[runtime.rank()]
             rows = tf.shape(a, out_type=tf.int64)[:1]
             counts = allgather(rows, name=name + ".rows")
             start = tf.reduce_sum(counts[:runtime.rank()])
-            return summed[start:start + rows[0]]
+            return averaged[start:start + rows[0]]
 
         return y, grad
 
@@ -191,7 +192,8 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
               process_set=global_process_set):
     """``root_rank``'s value of ``tensor`` on every rank (a new tensor).
 
-    The gradient is the sum of every rank's gradient on the root, zeros elsewhere.
+    The gradient is the average of every rank's gradient on the root, zeros elsewhere
+    (Horovod's rule).
     """
     check_process_set(process_set)
     _check_root(root_rank)
@@ -208,8 +210,8 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
         y = run_collective(body, [a], [a.dtype], [a.shape], name)[0]
 
         def grad(dy):
-            summed = allreduce(dy, op=Sum, name=name + ".grad")
-            return summed if runtime.rank() == root_rank else tf.zeros_like(summed)
+            averaged = allreduce(dy, op=Average, name=name + ".grad")  # as Horovod
+            return averaged if runtime.rank() == root_rank else tf.zeros_like(averaged)
 
         return y, grad
 

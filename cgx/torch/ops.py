@@ -147,12 +147,13 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        summed = session.run(reduce_tensors, [grad.contiguous()], ReduceOp.SUM, 1.0, 1.0,
-                             "allgather.grad", None)[0]
+        # Horovod's rule: the gradient is averaged over ranks, then each rank keeps its rows.
+        averaged = session.run(reduce_tensors, [grad.contiguous()], ReduceOp.AVERAGE, 1.0, 1.0,
+                               ctx.name + ".grad", None)[0]
         rows = session.run(allgather_rows, torch.tensor([ctx.rows]), ctx.name + ".grad.rows")
         start = int(rows[: runtime.rank()].sum().item())
-        return summed[start: start + ctx.rows].view_as(grad[: ctx.rows]) if grad.dim() else \
-            summed[runtime.rank()], None
+        return averaged[start: start + ctx.rows].view_as(grad[: ctx.rows]) if grad.dim() else \
+            averaged[runtime.rank()], None
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
