@@ -157,7 +157,7 @@ def test_keras_fit_callbacks_and_accumulation_on_two_ranks(tmp_path):
                                 "sequential/dense_1/bias": None}
         assert out["loaded"] == ("DistributedOptimizer", 96, True)
         assert out["wrapped"] == ("DistributedOptimizer", "<class "
-                                  "'cgx.compression.casts.FP16Compressor'>")
+                                  "'cgx.tensorflow.compression.FP16Compressor'>")
         assert "ranks report different metrics" in out["mismatch"]
     # weights identical on both ranks after training (compressed exchange included)
     for key in ("weights", "loaded_weights", "wrapped_weights"):

@@ -71,7 +71,7 @@ from cgx import session as _session
 from cgx.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
                               is_homogeneous, mpi_built, mpi_enabled, nccl_built,
                               rocm_built)
-from cgx.compression import Compression
+from cgx.tensorflow.compression import Compression
 from cgx.config import Config, Rounding
 from cgx.tensorflow._bridge import XLAUnsupportedError
 from cgx.tensorflow.gradients import DistributedGradientTape

@@ -14,12 +14,18 @@ from __future__ import annotations
 import warnings
 from typing import Any, Optional
 
-from cgx.compression import (BF16Compressor, Compression, ErrorFeedback, ExactCompressor,
-                             FP16Compressor, NoneCompressor, PowerSGDCompressor,
+from cgx import compression as core
+from cgx.compression import (AutoCompression, ErrorFeedback, PowerSGDCompressor,
                              QuantizeCompressor, TopKCompressor)
+from cgx.tensorflow.compression import (BF16Compressor, Compression, ExactCompressor,
+                                        FP16Compressor, NoneCompressor)
 
+# The TF-aware cast classes (what cgx.tensorflow.Compression holds) are what a loaded
+# config gives back; the core classes describe the same thing.
 _CLASSES = {"none": NoneCompressor, "exact": ExactCompressor, "fp16": FP16Compressor,
             "bf16": BF16Compressor}
+_CORE = {"none": core.NoneCompressor, "exact": core.ExactCompressor,
+         "fp16": core.FP16Compressor, "bf16": core.BF16Compressor}
 _POWERSGD_KEYS = ("rank", "min_compression_rate", "start_step", "warm_start", "error_feedback",
                   "orthogonalization_epsilon", "seed")
 
@@ -27,10 +33,17 @@ _POWERSGD_KEYS = ("rank", "min_compression_rate", "start_step", "warm_start", "e
 def compression_to_config(comp: Any) -> Optional[dict]:
     """A JSON-able description of ``comp``, or None (with a warning) for user compressors."""
     for key, cls in _CLASSES.items():
-        if comp is cls:
+        if comp is cls or comp is _CORE[key]:
             return {"type": key}
-        if type(comp) is cls:  # an instance: fp16/bf16 may carry a predivide
+        if type(comp) in (cls, _CORE[key]):  # an instance: fp16/bf16 may carry a predivide
             return {"type": key, "predivide": getattr(comp, "predivide", None)}
+    if isinstance(comp, AutoCompression):
+        return {"type": "auto", "alpha": comp.alpha, "families": list(comp.families),
+                "window": comp.window, "adjust_every": comp.adjust_every,
+                "warmup_steps": comp.warmup_steps, "bits": list(comp.bits),
+                "bucket_sizes": list(comp.bucket_sizes),
+                "rounding": None if comp.rounding is None else comp.rounding.value,
+                "error_feedback": comp.error_feedback}
     if isinstance(comp, QuantizeCompressor):
         return {"type": "quantize", "bits": comp.bits, "bucket_size": comp.bucket_size,
                 "rounding": comp.rounding.value, "seed": comp.seed}
@@ -70,5 +83,7 @@ def compression_from_config(config: Optional[dict]) -> Any:
         return PowerSGDCompressor(**args)
     if kind == "error_feedback":
         return ErrorFeedback(compression_from_config(args["compressor"]))
+    if kind == "auto":
+        return AutoCompression(**args)
     raise ValueError(f"unknown compression type {kind!r} in an optimizer config; expected one "
-                     f"of {sorted(_CLASSES) + ['quantize', 'topk', 'powersgd', 'error_feedback']}")
+                     f"of {sorted(_CLASSES) + ['quantize', 'topk', 'powersgd', 'error_feedback', 'auto']}")
