@@ -81,6 +81,21 @@ def _keras_scenarios(rank, world):
             out[f"mismatch_{mode}"] = f"{type(e).__name__}: {e.message}"
     out["after_mismatch"] = np.asarray(hvd.allreduce(tf.ones([2]), name="tf.ok")).tolist()
 
+    # horovod.tensorflow pieces: reducescatter (with Horovod's gradient), graph-mode queries,
+    # broadcast_object_fn, in-place broadcast_.
+    import cgx.tensorflow as hvd_tf
+    v = tf.Variable(tf.range(6, dtype=tf.float32) * (rank + 1))
+    with tf.GradientTape() as tape:
+        part = hvd_tf.reducescatter(v, op=hvd_tf.Average, name="rs")
+        loss = tf.reduce_sum(part * (rank + 1))
+    out["rs"] = part.numpy().tolist()
+    out["rs_grad"] = tape.gradient(loss, v).numpy().tolist()
+    out["size_op"] = int(tf.function(lambda: hvd_tf.size_op())().numpy())
+    out["obj"] = hvd_tf.broadcast_object_fn(root_rank=1)({"rank": rank})
+    w = tf.Variable([float(rank)] * 2)
+    hvd_tf.broadcast_([w], root_rank=1)
+    out["bcast_"] = w.numpy().tolist()
+
     # compression="auto" on the Keras path: a plan is made, the same on every rank.
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(256, activation="tanh"),
                               keras.layers.Dense(64), keras.layers.Dense(3)])
@@ -137,6 +152,10 @@ def test_keras_reliability_scenarios():
         assert o["mixed_finite"]
     assert outs[0]["mixed_scale"] == outs[1]["mixed_scale"] < 2.0 ** 15  # lowered together
     assert outs[0]["mixed_weights"] == outs[1]["mixed_weights"]
+    for r, o in enumerate(outs):
+        assert o["rs"] == [1.5 * i for i in range(3 * r, 3 * r + 3)]
+        assert o["rs_grad"] == [0.5] * 3 + [1.0] * 3  # allgathered upstream (1, 2) / 2
+        assert o["size_op"] == 2 and o["obj"] == {"rank": 1} and o["bcast_"] == [1.0, 1.0]
     for o in outs:
         for mode in ("eager", "graph"):
             assert "rank 0 has (1000,), rank 1 has (1024,)" in o[f"mismatch_{mode}"], o

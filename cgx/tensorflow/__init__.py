@@ -75,6 +75,13 @@ from cgx.tensorflow.compression import Compression
 from cgx.config import Config, Rounding
 from cgx.tensorflow._bridge import XLAUnsupportedError
 from cgx.tensorflow.gradients import DistributedGradientTape
+from cgx.tensorflow.compat import (HorovodInternalError, PartialDistributedGradientTape,
+                                   SyncBatchNormalization, add_process_set, broadcast_,
+                                   broadcast_global_variables, broadcast_object_fn,
+                                   check_extension, elastic, gpu_available, grouped_allgather,
+                                   grouped_reducescatter, join, local_rank_op, local_size_op,
+                                   process_set_included_op, rank_op, reducescatter,
+                                   remove_process_set, size_op)
 from cgx.tensorflow.ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
                                 allgather, allgather_object, allreduce, alltoall, barrier,
                                 broadcast, broadcast_object, broadcast_variables,
@@ -102,7 +109,11 @@ __all__ = [
     "cross_rank", "cross_size", "mpi_threads_supported", "stats", "start_timeline",
     "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "cuda_built",
     "rocm_built", "ddl_built", "ccl_built", "is_homogeneous",
-    "stop_timeline",
+    "stop_timeline", "HorovodInternalError", "PartialDistributedGradientTape",
+    "SyncBatchNormalization", "add_process_set", "broadcast_", "broadcast_global_variables",
+    "broadcast_object_fn", "check_extension", "elastic", "gpu_available", "grouped_allgather",
+    "grouped_reducescatter", "join", "local_rank_op", "local_size_op",
+    "process_set_included_op", "rank_op", "reducescatter", "remove_process_set", "size_op",
     "Average", "Sum", "Min", "Max", "Product", "Adasum", "ProcessSet", "global_process_set",
     "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "barrier",
     "broadcast_variables", "broadcast_object", "allgather_object",

@@ -31,9 +31,14 @@ from cgx.torch.ddp import CGXState, cgx_hook
 from cgx.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from cgx.torch.ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
                            allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
-                           broadcast_, broadcast_async, broadcast_async_, grouped_allreduce,
-                           grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
-                           join, poll, reducescatter, reducescatter_async, synchronize)
+                           broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
+                           grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
+                           grouped_allreduce_async, grouped_allreduce_async_,
+                           grouped_reducescatter, grouped_reducescatter_async, join, poll,
+                           reducescatter, reducescatter_async, sparse_allreduce_async,
+                           synchronize)
+from cgx.torch.compat import (HorovodInternalError, SyncBatchNorm, add_process_set,
+                              check_extension, compression, elastic, remove_process_set)
 from cgx.torch.optimizer import DistributedOptimizer
 from cgx.torch.tensorboard import StatsLogger
 
@@ -60,5 +65,8 @@ __all__ = [
     "synchronize", "poll", "join", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "Compression", "Config", "Rounding", "DistributedOptimizer", "CGXState", "cgx_hook",
-    "StatsLogger",
+    "StatsLogger", "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "sparse_allreduce_async", "HorovodInternalError",
+    "SyncBatchNorm", "add_process_set", "remove_process_set", "check_extension", "compression",
+    "elastic",
 ]

@@ -19,7 +19,7 @@ import torch
 
 from cgx import runtime, session
 from cgx.comm.base import ReduceOp
-from cgx.collectives.functional import (Average, allgather_rows, alltoall_rows,
+from cgx.collectives.functional import (Average, Sum, allgather_rows, alltoall_rows,
                                         broadcast_tensor, check_process_set, check_root,
                                         global_process_set,
                                         op_name, reduce_tensors, reducescatter_rows, resolve_op)
@@ -236,21 +236,101 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
                           name, None, label=name)
 
 
+class _Reducescatter(torch.autograd.Function):
+    """Reduce-scatter with Horovod's gradient: the gradient is allgathered (and divided by
+    the number of ranks for Average), scaled like the forward."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, pre, post, name, compression):
+        ctx.args = (op, pre, post, name)
+        return session.run(reducescatter_rows, tensor, op, pre, post, name, compression,
+                           label=name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, pre, post, name = ctx.args
+        full = session.run(allgather_rows, grad.contiguous(), name + ".grad", label=name)
+        scale = pre * post / (runtime.size() if op is Average else 1)
+        return (full * scale if scale != 1.0 else full), None, None, None, None, None
+
+
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Reduce ``tensor`` over all ranks and keep this rank's rows of dim 0.
 
     Rows are split like Horovod: ``rows // size`` each, the first ``rows % size``
-    ranks one more.
+    ranks one more. The gradient is Horovod's: allgathered (divided by the
+    number of ranks for Average).
     """
     check_process_set(process_set)
     op = resolve_op(op, None)
-    name = op_name(name, "reducescatter")
-    return session.run(reducescatter_rows, tensor, op, prescale_factor, postscale_factor, name,
-                       compression, label=name)
+    return _Reducescatter.apply(tensor, op, prescale_factor, postscale_factor,
+                                op_name(name, "reducescatter"), compression)
 
 
-# -- handles and synchronization ----------------------------------------------------
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    """Start reduce-scatters of several tensors; the handle yields a list (Horovod's order)."""
+    check_process_set(process_set)
+    op = resolve_op(op, None)
+    name = op_name(name, "grouped_reducescatter")
+    tensors = list(tensors)
+    return session.submit(lambda: [reducescatter_rows(t, op, prescale_factor, postscale_factor,
+                                                      f"{name}.{i}", None)
+                                   for i, t in enumerate(tensors)], label=name)
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    """Reduce-scatter of each tensor of a list (with gradients); returns a list."""
+    name = op_name(name, "grouped_reducescatter")
+    return [reducescatter(t, f"{name}.{i}", compression, op, process_set, prescale_factor,
+                          postscale_factor) for i, t in enumerate(tensors)]
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Start allgathers of several tensors; the handle yields a list."""
+    check_process_set(process_set)
+    name = op_name(name, "grouped_allgather")
+    tensors = list(tensors)
+    return session.submit(lambda: [allgather_rows(t, f"{name}.{i}")
+                                   for i, t in enumerate(tensors)], label=name)
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Allgather of each tensor of a list (with gradients); returns a list."""
+    check_process_set(process_set)
+    name = op_name(name, "grouped_allgather")
+    return [_Allgather.apply(t, f"{name}.{i}") for i, t in enumerate(tensors)]
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Horovod's sparse allreduce: every rank's (indices, values) allgathered, the values
+    divided by the number of ranks for Average. The handle yields a sparse COO tensor
+    (uncoalesced, as Horovod's)."""
+    check_process_set(process_set)
+    op = resolve_op(op, None)
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce supports op Average or Sum, got {op!r}")
+    if not tensor.is_sparse:
+        raise TypeError("sparse_allreduce_async takes a sparse COO tensor (e.g. the gradient "
+                        "of nn.Embedding(sparse=True)); use allreduce_async for dense ones")
+    name = op_name(name, "sparse_allreduce")
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+
+    def run():
+        # Allgather concatenates along dim 0: indices travel transposed (nnz x ndim).
+        indices = allgather_rows(t.indices().t().contiguous(), f"{name}.indices")
+        values = allgather_rows(t.values().contiguous(), f"{name}.values")
+        if op is Average:
+            values = values / runtime.size()
+        return torch.sparse_coo_tensor(indices.t(), values, t.size())
+
+    return session.submit(run, label=name)
+
+
+# -- handles and synchronization# -- handles and synchronization ----------------------------------------------------
 
 def poll(handle) -> bool:
     """True when the operation behind ``handle`` has finished (never blocks)."""

@@ -40,6 +40,10 @@ from cgx.tensorflow import (Average, Compression, Max, Min, Product, Sum, allgat
                             barrier, broadcast_object, broadcast_variables, cross_rank,
                             cross_size, init, is_initialized, local_rank, local_size, rank,
                             shutdown, size, stats, start_timeline, stop_timeline)
+from cgx.session import mpi_threads_supported
+from cgx.collectives.functional import ProcessSet, global_process_set
+from cgx.tensorflow.compat import (add_process_set, broadcast_global_variables, elastic,
+                                   reducescatter, remove_process_set)
 from cgx.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
                               is_homogeneous, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from cgx.tensorflow.keras import callbacks
@@ -110,7 +114,9 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "stats", "Average", "Sum", "Min", "Max", "Product", "Compression",
-    "start_timeline", "stop_timeline", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
+    "start_timeline", "stop_timeline", "mpi_threads_supported", "ProcessSet",
+    "global_process_set", "add_process_set", "remove_process_set", "broadcast_global_variables",
+    "elastic", "reducescatter", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
     "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built", "is_homogeneous",
     "allreduce", "allgather", "broadcast", "barrier", "broadcast_variables", "broadcast_object",
     "allgather_object", "DistributedOptimizer", "LossScaleOptimizer", "load_model", "callbacks",

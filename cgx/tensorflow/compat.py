@@ -1,0 +1,141 @@
+"""The rest of ``horovod.tensorflow``'s public names: small ops, aliases and clear refusals.
+
+See ``cgx.torch.compat``; ``tests/test_horovod_api.py`` checks the list.
+"""
+
+from __future__ import annotations
+
+import types
+
+import tensorflow as tf
+import torch
+
+from cgx import runtime, session
+from cgx.collectives.functional import (Average, allgather_rows, check_process_set,
+                                        global_process_set, op_name, reducescatter_rows,
+                                        resolve_op)
+from cgx.tensorflow._bridge import run_collective, to_tf, to_torch
+from cgx.torch.compat import HorovodInternalError, _refuse, check_extension  # noqa: F401
+
+
+def size_op(process_set_id=0, name=None):
+    """The number of ranks, as a TF constant (Horovod's graph op)."""
+    return tf.constant(runtime.size(), dtype=tf.int32, name=name)
+
+
+def local_size_op(name=None):
+    return tf.constant(runtime.local_size(), dtype=tf.int32, name=name)
+
+
+def rank_op(name=None):
+    return tf.constant(runtime.rank(), dtype=tf.int32, name=name)
+
+
+def local_rank_op(name=None):
+    return tf.constant(runtime.local_rank(), dtype=tf.int32, name=name)
+
+
+def process_set_included_op(process_set_id=0, name=None):
+    """1: this rank is in the process set (cgx has only the global one)."""
+    return tf.constant(1, dtype=tf.int32, name=name)
+
+
+def gpu_available(ext_base_name=None, verbose=False) -> bool:
+    """True when TensorFlow sees a GPU."""
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """In-place broadcast of ``variables`` from ``root_rank``; returns them."""
+    from cgx.tensorflow.ops import broadcast_variables
+    broadcast_variables(list(variables), root_rank, process_set=process_set)
+    return variables
+
+
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
+    """A function that broadcasts a Python object from ``root_rank`` (Horovod's helper)."""
+    from cgx.tensorflow.ops import broadcast_object
+    check_process_set(process_set)
+    return lambda obj: broadcast_object(obj, root_rank, name=name)
+
+
+def reducescatter(tensor, device_dense="", compression=None, op=Average, name=None,
+                  process_set=global_process_set, ignore_name_scope=False,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce ``tensor`` over all ranks and keep this rank's rows of dim 0 (Horovod's split:
+    ``rows // size`` each, the first ``rows % size`` ranks one more). The gradient is
+    Horovod's: allgathered, divided by the number of ranks for Average."""
+    check_process_set(process_set)
+    op = resolve_op(op, None)
+    name = op_name(name, "reducescatter")
+    x = tf.convert_to_tensor(tensor)
+    shape = tf.TensorShape(None) if x.shape.rank is None else \
+        tf.TensorShape([None]).concatenate(x.shape[1:])
+
+    def body(a):
+        return [to_tf(session.run(reducescatter_rows, to_torch(a), op, prescale_factor,
+                                  postscale_factor, name, compression, label=name))]
+
+    @tf.custom_gradient
+    def forward(a):
+        y = run_collective(body, [a], [a.dtype], [shape], name)[0]
+
+        def grad(dy):
+            def gather(d):
+                return [to_tf(session.run(allgather_rows, to_torch(d), name + ".grad",
+                                          label=name))]
+            full = run_collective(gather, [dy], [dy.dtype], [a.shape], name + ".grad")[0]
+            scale = prescale_factor * postscale_factor / (
+                runtime.size() if op is Average else 1)
+            return full * tf.cast(scale, full.dtype) if scale != 1.0 else full
+
+        return y, grad
+
+    return forward(x)
+
+
+def grouped_reducescatter(tensors, device_dense="", compression=None, op=Average, name=None,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    name = op_name(name, "grouped_reducescatter")
+    return [reducescatter(t, compression=compression, op=op, name=f"{name}.{i}",
+                          process_set=process_set, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor) for i, t in enumerate(tensors)]
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    from cgx.tensorflow.ops import allgather
+    name = op_name(name, "grouped_allgather")
+    return [allgather(t, name=f"{name}.{i}", process_set=process_set)
+            for i, t in enumerate(tensors)]
+
+
+broadcast_global_variables = _refuse(
+    "broadcast_global_variables()", "it broadcasts TF1 global variables; use "
+    "hvd.broadcast_variables(model.variables, root_rank=0) (or the Keras "
+    "BroadcastGlobalVariablesCallback)")
+join = _refuse("hvd.join() for TensorFlow", "join() covers the torch DistributedOptimizer; "
+               "give every rank the same number of batches (e.g. repeat() and a fixed "
+               "steps_per_epoch)")
+add_process_set = _refuse("add_process_set()", "cgx reduces over the global process set only")
+remove_process_set = _refuse("remove_process_set()", "cgx has only the global process set")
+PartialDistributedGradientTape = _refuse(
+    "PartialDistributedGradientTape", "reduce the shared variables' gradients with "
+    "DistributedGradientTape and apply the local layers' gradients from a plain tape")
+
+
+class SyncBatchNormalization:
+    """Not supported by cgx."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError("hvd.SyncBatchNormalization is not supported by cgx; use "
+                                  "keras.layers.BatchNormalization (per-rank statistics)")
+
+
+elastic = types.ModuleType("cgx.tensorflow.elastic", "Horovod elastic training: not supported.")
+for _name in ("run", "TensorFlowState", "TensorFlowKerasState", "ObjectState", "State"):
+    setattr(elastic, _name, _refuse(
+        f"hvd.elastic.{_name}", "cgx jobs have a fixed set of ranks: save a checkpoint and "
+        "restart the job (cgxrun) to change the world size"))
+
+del torch

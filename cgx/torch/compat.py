@@ -1,0 +1,55 @@
+"""The rest of ``horovod.torch``'s public names: aliases, and clear refusals.
+
+Every name Horovod 0.28.1 exports is either implemented by ``cgx.torch`` with
+Horovod's semantics, or here raises :class:`NotImplementedError` saying what
+to use instead (``tests/test_horovod_api.py`` checks the list against an
+installed Horovod; docs/horovod.md has the table).
+"""
+
+from __future__ import annotations
+
+import types
+
+from cgx import compression  # noqa: F401 - horovod.torch.compression
+from cgx.errors import CGXError
+
+# Horovod raises HorovodInternalError when a collective fails (elastic jobs catch it);
+# cgx raises CGXError there.
+HorovodInternalError = CGXError
+
+
+def check_extension(ext_name=None, ext_env_var=None, pkg_path=None, *args) -> None:
+    """Horovod checks its compiled extension here; cgx has none to check."""
+
+
+def _refuse(what: str, instead: str):
+    def fn(*args, **kwargs):
+        raise NotImplementedError(f"{what} is not supported by cgx; {instead}")
+    fn.__name__ = what.split("(")[0].split(".")[-1]
+    fn.__doc__ = f"Not supported by cgx: {instead}"
+    return fn
+
+
+add_process_set = _refuse(
+    "add_process_set()", "cgx reduces over the global process set only: start a separate job "
+    "for another group of ranks, or use torch.distributed.new_group for your own collectives")
+remove_process_set = _refuse("remove_process_set()", "cgx has only the global process set")
+
+
+class SyncBatchNorm:
+    """Not supported by cgx: use ``torch.nn.SyncBatchNorm`` (cgx.init() sets up
+    torch.distributed, which it needs)."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(
+            "hvd.SyncBatchNorm is not supported by cgx; use torch.nn.SyncBatchNorm (for "
+            "example torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)): cgx.init() has "
+            "initialized torch.distributed, which it runs on")
+
+
+elastic = types.ModuleType("cgx.torch.elastic", "Horovod elastic training: not supported.")
+for _name in ("run", "TorchState", "ObjectState", "State", "SamplerStateHandler",
+              "ElasticSampler"):
+    setattr(elastic, _name, _refuse(
+        f"hvd.elastic.{_name}", "cgx jobs have a fixed set of ranks: checkpoint with "
+        "optimizer.state_dict() and restart the job (cgxrun) to change the world size"))
