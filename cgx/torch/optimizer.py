@@ -84,6 +84,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             made dense (so they can be compressed).
         process_set: only the global process set is supported.
         rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
+        sufficient_factors: the model, to exchange the weight gradients of its
+            ``nn.Linear`` layers as sufficient factors (Poseidon) whenever that moves
+            fewer bytes: ``K x P x (M + N) < M x N`` for K rows per rank, P ranks and
+            an M x N weight. The rebuilt average is exact; layers where the factors
+            are not a faithful record (used twice in a forward) take the plain path.
 
     Example::
 
@@ -95,7 +100,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  compression=Compression.none, backward_passes_per_step: int = 1,
                  op=Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                  groups=None, sparse_as_dense: bool = False, process_set=global_process_set,
-                 *, rules=None):
+                 *, rules=None, sufficient_factors: "torch.nn.Module | None" = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -130,6 +135,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._user_groups = self._check_groups(groups)
         self._compression = as_compressor(compression)
         self._rules_source = rules
+        if sufficient_factors is not None and not isinstance(sufficient_factors,
+                                                             torch.nn.Module):
+            raise TypeError(f"sufficient_factors= takes the model (a torch.nn.Module), got "
+                            f"{type(sufficient_factors).__name__}")
+        self._sfb_model = sufficient_factors
         self._step_count = 0  # part of the state: feeds the stochastic-rounding key
         self._registry_id = next(_registry_ids)
         self._setup()
@@ -195,6 +205,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                   rules=self._rules_source, config=cfg)
         if old_plan is not None:
             self._plan.load_state_dict(old_plan.state_dict())
+        # Sufficient factors: hooks on the model's Linear layers; their weights leave the
+        # buckets and travel at synchronize() (as factors, or plainly when not worth it).
+        if getattr(self, "_capture", None) is not None:
+            self._capture.remove()
+        self._capture = None
+        self._sfb_index: list = []
+        if self._sfb_model is not None:
+            from cgx.torch.factor_capture import FactorCapture
+            self._capture = FactorCapture(self._sfb_model, {id(p) for p in params})
+            self._sfb_index = [i for i, p in enumerate(params) if id(p) in
+                               self._capture.captures]
+        self.sfb_used: dict = {}  # last step: weight name -> travelled as factors
         self._buckets = self._make_buckets(params, cfg.fusion_buffer_bytes)
         self._bucket_of = {}
         for b, idx in enumerate(self._buckets):
@@ -237,7 +259,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                          dtypes=[p.dtype for p in self._params], buckets=self._buckets,
                          compression=self._compression, mode=plan.mode.value,
                          specs=plan.specs, op=self._op, predivide=self._predivide,
-                         backward_passes_per_step=self._bpps)
+                         backward_passes_per_step=self._bpps,
+                         sufficient_factors=[plan.names[i] for i in self._sfb_index])
 
     def _trainable_changed(self) -> bool:
         """Did parameters get frozen or unfrozen since the buckets were built?"""
@@ -287,7 +310,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             grouped = {i for g in order for i in g}
             rest = [i for i in range(len(params)) if i not in grouped]
             return [g for g in order if g] + ([rest] if rest else [])
-        rev = list(range(len(params)))[::-1]
+        skip = set(getattr(self, "_sfb_index", ()))
+        rev = [i for i in range(len(params))[::-1] if i not in skip]
         if self._num_groups:
             n = min(self._num_groups, len(rev)) or 1
             return [rev[k * len(rev) // n:(k + 1) * len(rev) // n] for k in range(n)]
@@ -326,8 +350,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     # (the same on every rank, which freeze the same way).
                     self._setup()
             i = self._index.get(id(p))
-            if i is None:
-                return
+            if i is None or i not in self._bucket_of:
+                return  # not ours, or a weight that travels as sufficient factors
             c = self._counts[i] + 1
             if c > self._bpps:
                 raise CGXError(f"gradients of '{self._names[id(p)]}' were computed more than "
@@ -389,6 +413,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 g.copy_(o.view_as(g))
         self.timing["end"].append(time.perf_counter())
 
+    def _exchange_factors(self) -> None:
+        """Engine thread: the sufficient-factor layers' weight gradients (every rank, in order)."""
+        from cgx.sufficient_factors import exchange
+        weights = [self._params[i] for i in self._sfb_index]
+        caps = [self._capture.captures[id(w)] for w in weights]
+        by_id = {id(w): i for w, i in zip(weights, self._sfb_index)}
+
+        def plain(ws):
+            grads = [w.grad for w in ws]
+            outs = self._plan.reduce(grads, name=f"opt{self._registry_id}.factors.plain",
+                                     step=self._step_count, indices=[by_id[id(w)] for w in ws])
+            for g, o in zip(grads, outs):
+                if o is not g:
+                    g.copy_(o.view_as(g))
+
+        used = exchange(caps, weights, session.reducer().transport, self._bpps,
+                        self._op is Average, plain)
+        self.sfb_used = {c.name: u for c, u in zip(caps, used)}
+
     # -- the public optimizer API -------------------------------------------------------
 
     @property
@@ -425,6 +468,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             while self._next < len(self._buckets):
                 self._launch(self._next)
                 self._next += 1
+            if self._sfb_index:
+                self._handles.append(session.submit(
+                    self._exchange_factors, label=f"opt{self._registry_id}.factors"))
             handles = self._handles
             self._handles = []
         t0 = time.perf_counter()
@@ -433,6 +479,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 h.wait(session.wait_timeout())
         finally:
             self._reset_step_state()
+            if self._capture is not None:
+                self._capture.clear()
         if handles:
             # The time this thread waited: communication that backward did not hide.
             from cgx.collectives.reducer import ReduceStats
@@ -471,6 +519,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                            "step()")
         self._optimizer.zero_grad(set_to_none=set_to_none)
         self._synchronized = self._auto_synced = False
+        if getattr(self, "_capture", None) is not None:
+            self._capture.clear()
 
     def add_param_group(self, param_group: dict) -> None:
         """Add parameters (the same on every rank, in the same order)."""

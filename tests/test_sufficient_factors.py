@@ -1,0 +1,89 @@
+"""Sufficient-factor exchange (Poseidon) for nn.Linear: exact averaged gradients, rule and
+fallbacks, on 2 and 3 real ranks."""
+
+import pytest
+import torch
+
+from cgx.sufficient_factors import factor_bytes, gradient_bytes, worth_it
+from spawn import run_gloo
+
+pytestmark = pytest.mark.multiproc
+
+
+class Net(torch.nn.Module):
+    def __init__(self, twice=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(64, 256)      # K*P*(M+N) small: factors
+        self.fc2 = torch.nn.Linear(256, 256)     # factors too
+        self.frozen = torch.nn.Linear(256, 256)  # frozen: not captured
+        self.head = torch.nn.Linear(256, 4)      # 4 x 256: the gradient is smaller
+        for p in self.frozen.parameters():
+            p.requires_grad_(False)
+        self.twice = twice
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(self.fc2(h))
+        if self.twice:
+            h = torch.tanh(self.fc2(h))  # used twice: its factors are not a faithful record
+        return self.head(torch.tanh(self.frozen(h)))
+
+
+def _batch(step, rank, k=4):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(k, 64, generator=g)
+
+
+def _sfb(rank, world, twice, bpps, use):
+    import cgx.torch as hvd
+    hvd.init()
+    model = Net(twice)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.exact,
+                                   backward_passes_per_step=bpps,
+                                   sufficient_factors=model if use else None)
+    grads, used = [], []
+    for step in range(3):
+        opt.zero_grad()
+        for micro in range(bpps):
+            model(_batch(10 * step + micro, rank)).pow(2).mean().backward()
+        opt.synchronize()
+        grads.append([p.grad.clone() if p.grad is not None else None
+                      for p in model.parameters()])
+        used.append(dict(opt.sfb_used))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # clipping after the rebuild
+        with opt.skip_synchronize():
+            opt.step()
+    return {"grads": grads, "used": used, "params": [p.detach() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("world,bpps,twice", [(2, 1, False), (3, 1, False), (2, 2, False),
+                                              (2, 1, True)])
+def test_rebuilt_gradient_equals_the_averaged_gradient(world, bpps, twice):
+    plain = run_gloo(_sfb, world, twice, bpps, False)
+    sfb = run_gloo(_sfb, world, twice, bpps, True)
+    for r in range(world):
+        for gs, gp in zip(sfb[r]["grads"], plain[r]["grads"]):
+            for a, b in zip(gs, gp):
+                if b is None:
+                    assert a is None
+                else:
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(sfb[r]["params"], plain[r]["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    used = sfb[0]["used"][-1]
+    assert used["fc1.weight"] is True  # K*P*(M+N) < M*N
+    assert used["head.weight"] is False  # 4 x 256: the plain gradient is smaller
+    assert used["fc2.weight"] is (not twice)  # a layer used twice takes the plain path
+    assert "frozen.weight" not in used
+    for o in sfb[1:]:  # bit-identical on every rank
+        for a, b in zip(o["params"], sfb[0]["params"]):
+            assert torch.equal(a, b)
+
+
+def test_the_rule():
+    assert worth_it(8, 2, 4096, 25088)  # VGG's big FC layer at batch 8
+    assert not worth_it(256, 4, 10, 512)
+    assert factor_bytes(8, 2, 4096, 25088) < gradient_bytes(4096, 25088)
