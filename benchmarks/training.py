@@ -28,7 +28,8 @@ from typing import Any
 
 from cgx.console import progress
 
-METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "cgx-ddp-hook", "cgx-optimizer"]
+METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "cgx-ddp-hook", "cgx-optimizer",
+           "cgx-optimizer-sfb"]
 VGG11 = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
 
 
@@ -81,10 +82,13 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
             opt_model.register_comm_hook(state, cgx.torch.cgx_hook)
     opt = torch.optim.SGD(opt_model.parameters(), lr=0.01, momentum=0.9)
     hvd = None
-    if method == "cgx-optimizer":
+    if method in ("cgx-optimizer", "cgx-optimizer-sfb"):
         import cgx.torch as hvd
         hvd.init()
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        # -sfb: the fully connected layers' weight gradients travel as sufficient factors
+        opt = hvd.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(),
+            sufficient_factors=model if method == "cgx-optimizer-sfb" else None)
     times = []
     for i in range(warmup + steps):
         if i == warmup and hvd is not None:

@@ -66,7 +66,7 @@ def worth_it(rows: int, ranks: int, out_features: int, in_features: int) -> bool
 
 
 def exchange(captures: list, weights: list, transport, passes: int, average: bool,
-             plain) -> list:
+             plain, record=None) -> list:
     """Engine thread, every rank at the same point: rebuild or reduce each layer's weight grad.
 
     Args:
@@ -76,6 +76,7 @@ def exchange(captures: list, weights: list, transport, passes: int, average: boo
         passes: backward passes per step (the optimizer's ``backward_passes_per_step``).
         average: divide by the number of ranks.
         plain: ``plain(weights)`` reduces those weights' gradients the ordinary way (fallback).
+        record: ``record(ReduceStats)`` adds the bytes this rank sent to cgx's statistics.
 
     Returns:
         Per layer, True when its gradient travelled as factors.
@@ -98,6 +99,12 @@ def exchange(captures: list, weights: list, transport, passes: int, average: boo
             grad = gs.t().mm(xs)
             if average:
                 grad.div_(P)
+            if record is not None:
+                from cgx.collectives.reducer import ReduceStats
+                sent = (P - 1) * 4 * rows * (m + n)  # this rank's padded rows, to P-1 ranks
+                record(ReduceStats(calls=1, numel=m * n, input_bytes=4 * m * n,
+                                   wire_bytes=sent, seconds={
+                                       "_fp32_wire": float(2 * (P - 1) * 4 * m * n // P)}))
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
             w.grad.copy_(grad.to(w.grad.dtype))

@@ -87,3 +87,23 @@ def test_the_rule():
     assert worth_it(8, 2, 4096, 25088)  # VGG's big FC layer at batch 8
     assert not worth_it(256, 4, 10, 512)
     assert factor_bytes(8, 2, 4096, 25088) < gradient_bytes(4096, 25088)
+
+
+def _bytes(rank, world, use):
+    import cgx.torch as hvd
+    hvd.init()
+    model = Net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.exact,
+                                   sufficient_factors=model if use else None)
+    model(_batch(0, rank)).pow(2).mean().backward()
+    opt.step()
+    return hvd.stats().wire_bytes
+
+
+def test_factors_cut_the_bytes_sent():
+    plain, sfb = run_gloo(_bytes, 2, False)[0], run_gloo(_bytes, 2, True)[0]
+    # fc1 (256x64) and fc2 (256x256) go as 4 rows x (M + N) factors instead of M x N values.
+    saved = 4 * (256 * 64 + 256 * 256) - 4 * 4 * ((256 + 64) + (256 + 256))
+    assert plain - sfb == pytest.approx(saved, rel=0.05)

@@ -428,8 +428,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if o is not g:
                     g.copy_(o.view_as(g))
 
-        used = exchange(caps, weights, session.reducer().transport, self._bpps,
-                        self._op is Average, plain)
+        red = session.reducer()
+        used = exchange(caps, weights, red.transport, self._bpps, self._op is Average, plain,
+                        record=red.add_stats)
         self.sfb_used = {c.name: u for c, u in zip(caps, used)}
 
     # -- the public optimizer API -------------------------------------------------------
