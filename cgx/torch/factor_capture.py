@@ -27,7 +27,6 @@ class FactorCapture:
                 cap = Capture(f"{name}.weight" if name else "weight", m)
                 self.captures[id(m.weight)] = cap
                 self._hooks.append(m.register_forward_hook(self._forward_hook(cap)))
-                self._hooks.append(m.register_full_backward_hook(self._backward_hook(cap)))
 
     @staticmethod
     def _forward_hook(cap: Capture):
@@ -36,14 +35,12 @@ class FactorCapture:
                 x = args[0]
                 cap.inputs.append(x.detach().reshape(-1, x.shape[-1]).to(torch.float32))
                 cap.forwards += 1
-        return hook
-
-    @staticmethod
-    def _backward_hook(cap: Capture):
-        def hook(module, grad_input, grad_output):
-            g = grad_output[0]
-            if g is not None and module.weight.requires_grad:
-                cap.grads.append(g.detach().reshape(-1, g.shape[-1]).to(torch.float32))
+                if output.requires_grad:
+                    # A hook on the output tensor, not a module backward hook: the latter
+                    # wraps the output in a view that an in-place ReLU may not modify.
+                    # Registered before any in-place op, it sees d loss / d output.
+                    output.register_hook(lambda g: cap.grads.append(
+                        g.detach().reshape(-1, g.shape[-1]).to(torch.float32)))
         return hook
 
     def remove(self) -> None:
