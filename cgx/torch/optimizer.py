@@ -574,6 +574,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._user_groups is not None:
             self._user_groups = [[params[i] for i in g] for g in self._user_groups]
         self._registry_id = next(_registry_ids)
+        # The model is not pickled with the optimizer: sufficient factors start off.
+        self._sfb_model = None
         plan_state = self.__dict__.pop("_plan_state")
         if runtime.is_initialized():
             self._setup()
