@@ -87,8 +87,7 @@ def check(kind: str, name: str, **fields) -> None:
 def check_root(root_rank, size: int) -> None:
     if isinstance(root_rank, bool) or not isinstance(root_rank, int) or \
             not 0 <= root_rank < size:
-        raise ValueError(f"root_rank={root_rank!r} is not a rank (world size {size}); pass "
-                         f"0..{size - 1}")
+        raise ValueError(f"root_rank must be a rank, an int in [0, {size}), got {root_rank!r}")
 
 
 def _on_transport(t: torch.Tensor) -> torch.Tensor:

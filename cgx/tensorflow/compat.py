@@ -8,7 +8,6 @@ from __future__ import annotations
 import types
 
 import tensorflow as tf
-import torch
 
 from cgx import runtime, session
 from cgx.collectives.functional import (Average, allgather_rows, check_process_set,
@@ -138,4 +137,3 @@ for _name in ("run", "TensorFlowState", "TensorFlowKerasState", "ObjectState", "
         f"hvd.elastic.{_name}", "cgx jobs have a fixed set of ranks: save a checkpoint and "
         "restart the job (cgxrun) to change the world size"))
 
-del torch

@@ -266,10 +266,7 @@ def barrier(process_set=global_process_set) -> None:
 
 
 def _check_root(root_rank) -> None:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) \
-            or not 0 <= root_rank < runtime.size():
-        raise ValueError(f"root_rank must be a rank, an int in [0, {runtime.size()}), got "
-                         f"{root_rank!r}")
+    _functional.check_root(root_rank, runtime.size())
 
 
 # -- variables ----------------------------------------------------------------------
