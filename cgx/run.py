@@ -282,20 +282,18 @@ def worker_env(spec: RunSpec, base: Mapping[str, str]) -> dict[str, str]:
             env[OUTPUT_DIR_VAR] = os.path.abspath(spec.output_filename)
     # Workers' output goes through a pipe: tell them whether a person watches
     # (progress bars are drawn only then, see cgx.console).
+    from cgx.console import TTY_VAR
     env[TTY_VAR] = "1" if _stderr_is_tty() else "0"
     return env
 
 
 TAG_OUTPUT_VAR = "CGXRUN_TAG_OUTPUT"
 OUTPUT_DIR_VAR = "CGXRUN_OUTPUT_DIR"
-TTY_VAR = "CGXRUN_TTY"
 
 
 def _stderr_is_tty() -> bool:
-    try:
-        return os.isatty(sys.stderr.fileno())
-    except (OSError, ValueError, AttributeError):
-        return False
+    from cgx.console import _isatty
+    return _isatty(sys.stderr)
 
 
 def check_program(command: Sequence[str], env: Mapping[str, str]) -> None:

@@ -193,8 +193,9 @@ class Engine:
                 result, error = None, exc
             with self._lock:
                 self._current = None
-                if handle in self._pending:
-                    self._pending.remove(handle)
+                # FIFO: the running handle is the oldest pending one (unless _fail cleared it).
+                if self._pending and self._pending[0] is handle:
+                    self._pending.popleft()
             if error is not None and not _is_clean(error):
                 if self._failed is None:
                     error = self._explain(error, seq, handle.name)

@@ -101,20 +101,6 @@ def agree(transport: Transport, sig: Signature, *, recoverable: bool = True) -> 
     raise CollectiveMismatchError(describe(sigs), recoverable=recoverable)
 
 
-def agree_optional(transport: Transport, sig: Optional[Signature], *,
-                   recoverable: bool = True) -> list:
-    """Like :func:`agree`, for collectives some ranks join with no signature (None).
-
-    Used by the per-step status exchange, where a rank that called ``join()``
-    takes part without an optimizer step of its own. Returns the signatures.
-    """
-    sigs = transport.allgather_object(sig)
-    present = [s for s in sigs if s is not None]
-    if any(s != present[0] for s in present[1:]):
-        raise CollectiveMismatchError(describe(sigs), recoverable=recoverable)
-    return sigs
-
-
 def describe(sigs: Sequence[Optional[Signature]]) -> str:
     """One message for every rank: which collective, which fields differ, each rank's value."""
     ranks = [r for r, s in enumerate(sigs) if s is not None]
