@@ -82,17 +82,14 @@ def _layer_errors(names, specs, work, threads: int):
     Hidden cost: one quantize pass (with write-back) of a copy of each compressed
     gradient; it runs only every ``CGX_STATS_EVERY`` steps.
     """
+    from cgx.adaptive.stats import quantization_error
     from cgx.collectives.reducer import ReduceStats
-    from cgx.compression.quantization import quantize
     errors = {}
     for n, s, w in zip(names, specs, work):
         if s is None or w.numel() == 0:
             continue
-        x = w.detach().reshape(-1).contiguous()
-        y = x.clone()
-        quantize(y, s, write_back=True, threads=threads)
-        norm = float(x.float().norm())
-        errors[n] = float((y.float() - x.float()).norm()) / norm if norm > 0 else 0.0
+        norm = float(w.detach().float().norm())
+        errors[n] = quantization_error(w, s, threads) / norm if norm > 0 else 0.0
     return ReduceStats(layer_error=errors)
 
 
@@ -258,11 +255,12 @@ class GradientPlan:
         specs = [specs[i] for i in idx]
         if self.error_feedback and not shadow:
             for k, i in enumerate(idx):
-                e = self._residuals.get(self.names[i])
-                if specs[k] is None and e is not None and e.numel() == work[k].numel():
-                    # Nothing is owed any more once a layer travels exact: send it now.
+                e = self._residuals.get(self.names[i]) if specs[k] is None else None
+                if e is not None and e.numel() == work[k].numel():
+                    # Nothing is owed any more once a layer travels exact: send it now,
+                    # once (a later plan that compresses the layer starts a new residual).
                     work[k].view(-1).add_(e.to(work[k].dtype))
-                    e.zero_()
+                    del self._residuals[self.names[i]]
         if not shadow and sched.observing(step):
             seen = work
             if self.error_feedback:

@@ -21,20 +21,22 @@ from cgx.compression.quantization import QuantSpec, quantize
 from cgx.config import Rounding
 
 
+def quantization_error(x: torch.Tensor, spec: QuantSpec, threads: int = 1) -> float:
+    """``||Q(x) - x||`` with the real quantizer (hidden cost: one quantize pass of a copy)."""
+    x = x.detach().reshape(-1).to(torch.float32).contiguous()
+    if x.numel() == 0:
+        return 0.0
+    y = x.clone()
+    quantize(y, spec, write_back=True, threads=threads)
+    return float(torch.linalg.vector_norm(y - x))
+
+
 def candidate_errors(grad: torch.Tensor, candidates: Sequence[Candidate],
                      threads: int = 1) -> list[float]:
-    """``||C(grad) - grad||`` for each candidate (hidden cost: one quantize pass each)."""
-    x = grad.detach().reshape(-1).to(torch.float32).contiguous()
-    out = []
-    for c in candidates:
-        if c.family is Family.EXACT or x.numel() == 0:
-            out.append(0.0)
-            continue
-        y = x.clone()
-        quantize(y, QuantSpec(c.bits, c.bucket_size, Rounding.NEAREST), write_back=True,
-                 threads=threads)
-        out.append(float(torch.linalg.vector_norm(y - x)))
-    return out
+    """``||C(grad) - grad||`` for each candidate (one quantize pass each)."""
+    return [0.0 if c.family is Family.EXACT else
+            quantization_error(grad, QuantSpec(c.bits, c.bucket_size, Rounding.NEAREST), threads)
+            for c in candidates]
 
 
 def error_table(grads: Sequence[torch.Tensor], candidates: Sequence[Sequence[Candidate]],
