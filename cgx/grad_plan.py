@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 import torch
 
 from cgx import runtime
-from cgx import session
+from cgx import process_sets
 from cgx.comm.base import ReduceOp
 from cgx.adaptive import AdaptiveSchedule
 from cgx.compression import (AutoCompression, Compression, CompressorKind, ErrorFeedback,
@@ -105,6 +105,7 @@ class GradientPlan:
             ``size / predivide`` after.
         rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
         config: defaults (``cgx.runtime.config()`` when omitted).
+        group: a process set from :func:`cgx.process_sets.resolve` (None: all ranks).
 
     Attributes:
         mode: the :class:`GradMode` chosen.
@@ -115,7 +116,8 @@ class GradientPlan:
 
     def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]],
                  compression=Compression.none, *, op: ReduceOp = ReduceOp.AVERAGE,
-                 predivide: float = 1.0, rules=None, config: Optional[Config] = None):
+                 predivide: float = 1.0, rules=None, config: Optional[Config] = None,
+                 group=None):
         if len(names) != len(shapes):
             raise ValueError(f"got {len(names)} names for {len(shapes)} shapes; pass one "
                              "name per gradient")
@@ -158,6 +160,7 @@ class GradientPlan:
                       if mode in (GradMode.QUANTIZE, GradMode.PER_TENSOR, GradMode.AUTO)
                       else None for n, s in zip(self.names, self.shapes)]
         self.step = 0
+        self.group = group
         self._residuals: dict[str, torch.Tensor] = {}
         # AUTO: the per-layer plan; layers the rules leave exact are not planned.
         self.adaptive = AdaptiveSchedule(
@@ -195,7 +198,7 @@ class GradientPlan:
         specs = [self.specs[i] for i in idx]
         step = self.step if step is None else int(step)
         self.step += 1
-        red = session.reducer()
+        red = process_sets.reducer_of(self.group)
         dev = red.transport.device
         work = [g if g.device == dev and g.is_contiguous() else g.contiguous().to(dev)
                 for g in grads]

@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import Any, Callable, Optional
 
+from cgx import process_sets as process_sets_
 from cgx import runtime
 from cgx.collectives import Reducer
 from cgx.collectives.engine import Engine, Handle
@@ -25,18 +26,54 @@ _reducer: Optional[Reducer] = None
 _owner: Any = None  # the transport the reducer was built for
 
 
-def init(config=None, *, transport=None, device=None, **_horovod_args) -> None:
+def init(config=None, *, transport=None, device=None, comm=None, process_sets=None) -> None:
     """Join the job (every adapter's ``hvd.init()``); see :func:`cgx.runtime.init`.
 
-    Horovod's ``comm``/``process_sets`` arguments are accepted and ignored.
+    Args:
+        process_sets: Horovod's: a list of :class:`cgx.process_sets.ProcessSet` to
+            register (every rank passes the same list), or ``"dynamic"``.
+        comm: Horovod's MPI communicator argument; accepted only as None or
+            ``MPI.COMM_WORLD`` (cgx's world is the launcher's).
     """
     global _atexit_registered
+    if comm is not None:
+        _check_comm(comm)
     runtime.init(config, transport=transport, device=device)
     if not _atexit_registered:
         # Registered after the runtime's own exit handler, so it runs first
         # (atexit is last-in first-out): the engine stops before the transport.
         atexit.register(close)
         _atexit_registered = True
+    process_sets_.init_sets(process_sets)
+
+
+def _check_comm(comm) -> None:
+    try:
+        from mpi4py import MPI
+    except ImportError:  # pragma: no cover - mpi4py is a dependency
+        MPI = None
+    if isinstance(comm, (list, tuple)) and not comm:
+        return
+    if MPI is not None and isinstance(comm, MPI.Comm) and \
+            MPI.Comm.Compare(comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT):
+        return
+    raise NotImplementedError(
+        "hvd.init(comm=...) with a sub-communicator is not supported by cgx: start the job "
+        "with the ranks you need, or create a process set (hvd.add_process_set) for them")
+
+
+def add_process_set(process_set):
+    """Register a process set on every rank; returns it (Horovod's ``hvd.add_process_set``).
+
+    Every rank calls it with the same ranks; unlike Horovod, no
+    ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` is needed. See :mod:`cgx.process_sets`.
+    """
+    return process_sets_.register(process_set)
+
+
+def remove_process_set(process_set) -> bool:
+    """Unregister a process set on every rank; False for the global or an unknown set."""
+    return process_sets_.remove(process_set)
 
 
 def shutdown() -> None:

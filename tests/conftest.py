@@ -10,8 +10,42 @@ environment wins.
 """
 
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def horovodrun() -> str:
+    """Path of horovodrun, after checking that Horovod works in this Python."""
+    if os.environ.get("CGX_SKIP_HOROVOD_TESTS") == "1":
+        pytest.skip("CGX_SKIP_HOROVOD_TESTS=1: Horovod tests skipped on request")
+    probe = subprocess.run(
+        [sys.executable, "-c",
+         "import horovod, horovod.torch as h; print(horovod.__version__, h.gloo_built(), "
+         "h.mpi_built())"],
+        capture_output=True, text=True, timeout=120)
+    exe = Path(sys.executable).parent / "horovodrun"
+    if not exe.exists():
+        exe = Path(shutil.which("horovodrun") or exe)
+    problem = None
+    if probe.returncode != 0:
+        last_line = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
+        problem = f"'import horovod.torch' fails: {last_line}"
+    elif probe.stdout.split() != ["0.28.1", "True", "True"]:
+        problem = f"found horovod/gloo/mpi = {probe.stdout.strip()}, expected 0.28.1 True True"
+    elif not exe.exists():
+        problem = f"horovodrun not found next to {sys.executable} nor on PATH"
+    if problem:
+        pytest.fail(f"Horovod 0.28.1 is not usable in {sys.executable}: {problem}. Run "
+                    f"`make horovod` (scripts/build-horovod.sh) to build it, or set "
+                    f"CGX_SKIP_HOROVOD_TESTS=1 to skip the Horovod tests on purpose.",
+                    pytrace=False)
+    return str(exe)

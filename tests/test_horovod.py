@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -213,34 +212,6 @@ def _worker(out_dir: str) -> int:
 # =============================================================================
 # pytest side
 # =============================================================================
-
-@pytest.fixture(scope="module")
-def horovodrun() -> str:
-    """Path of horovodrun, after checking that Horovod works in this Python."""
-    if os.environ.get("CGX_SKIP_HOROVOD_TESTS") == "1":
-        pytest.skip("CGX_SKIP_HOROVOD_TESTS=1: Horovod tests skipped on request")
-    probe = subprocess.run(
-        [sys.executable, "-c",
-         "import horovod, horovod.torch as h; print(horovod.__version__, h.gloo_built(), "
-         "h.mpi_built())"],
-        capture_output=True, text=True, timeout=120)
-    exe = Path(sys.executable).parent / "horovodrun"
-    if not exe.exists():
-        exe = Path(shutil.which("horovodrun") or exe)
-    problem = None
-    if probe.returncode != 0:
-        last_line = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
-        problem = f"'import horovod.torch' fails: {last_line}"
-    elif probe.stdout.split() != ["0.28.1", "True", "True"]:
-        problem = f"found horovod/gloo/mpi = {probe.stdout.strip()}, expected 0.28.1 True True"
-    elif not exe.exists():
-        problem = f"horovodrun not found next to {sys.executable} nor on PATH"
-    if problem:
-        pytest.fail(f"Horovod 0.28.1 is not usable in {sys.executable}: {problem}. Run "
-                    f"`make horovod` (scripts/build-horovod.sh) to build it, or set "
-                    f"CGX_SKIP_HOROVOD_TESTS=1 to skip the Horovod tests on purpose.",
-                    pytrace=False)
-    return str(exe)
 
 def _launch(horovodrun: str, mode: str, out_dir: Path, extra_env: dict) -> list[dict]:
     cmd = [horovodrun, "-np", str(NP), "-H", f"localhost:{NP}", f"--{mode}"]

@@ -71,11 +71,10 @@ HOROVOD_INTERNALS = {
 }
 # What cgx refuses, with a message that names what to use instead.
 REFUSED = {
-    "horovod.torch": ["add_process_set", "remove_process_set", "SyncBatchNorm"],
-    "horovod.tensorflow": ["add_process_set", "remove_process_set", "SyncBatchNormalization",
-                           "PartialDistributedGradientTape", "broadcast_global_variables", "join"],
-    "horovod.tensorflow.keras": ["add_process_set", "remove_process_set",
-                                 "broadcast_global_variables"],
+    "horovod.torch": ["SyncBatchNorm"],
+    "horovod.tensorflow": ["SyncBatchNormalization", "PartialDistributedGradientTape",
+                           "broadcast_global_variables", "join"],
+    "horovod.tensorflow.keras": ["broadcast_global_variables"],
 }
 CGX = {"horovod.torch": "cgx.torch", "horovod.tensorflow": "cgx.tensorflow",
        "horovod.tensorflow.keras": "cgx.tensorflow.keras",

@@ -326,8 +326,10 @@ def test_validation_errors(hvd):
         hvd.allreduce(x, op=hvd.Adasum)
     with pytest.raises(ValueError, match="op and average cannot both"):
         hvd.allreduce(x, op=hvd.Sum, average=True)
-    with pytest.raises(ValueError, match="global process set"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must be a ProcessSet"):
         hvd.allreduce(x, process_set=object())
+    with pytest.raises(tf.errors.InvalidArgumentError, match="is not registered"):
+        hvd.allreduce(x, process_set=hvd.ProcessSet([0]))
     with pytest.raises(TypeError, match="compression must be"):
         hvd.allreduce(x, compression="fp16")
     with pytest.raises(ValueError, match="IndexedSlices supports op Average or Sum"):

@@ -6,8 +6,9 @@ itself is written once here, on torch tensors, and runs on the shared engine
 thread (``cgx.session``): the adapters only convert tensors, add autograd,
 and choose between synchronous and asynchronous calls.
 
-Also here: Horovod's reduction-op names and argument rules, and the (only)
-process set cgx supports.
+Also here: Horovod's reduction-op names and argument rules. Every function takes
+``group``: None for the world, or a process set resolved by
+:func:`cgx.process_sets.resolve` on the caller's thread (``root_rank`` stays a global rank).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from cgx import runtime, session
+from cgx import process_sets, runtime, session
 from cgx.comm.base import ReduceOp
 from cgx.comm.consistency import agree, signature, tensor_fields
 from cgx.compression import CompressorKind, as_compressor
@@ -32,28 +33,25 @@ class Adasum:
     """Placeholder so that ``op=hvd.Adasum`` fails with a clear message."""
 
 
-class ProcessSet:
-    """The global process set (the only one cgx supports)."""
-
-    def size(self) -> int:
-        return runtime.size()
-
-    def rank(self) -> int:
-        return runtime.rank()
-
-    def included(self) -> bool:
-        return True
+_names: dict = collections.defaultdict(itertools.count)
 
 
-global_process_set = ProcessSet()
-_names = itertools.count()
+def resolve_process_set(process_set):
+    """The ``group`` argument of this module's functions for Horovod's ``process_set=``
+    (caller's thread); ValueError if this rank may not use it."""
+    return process_sets.resolve(process_set)
 
 
-def check_process_set(process_set) -> None:
-    """Accept None or the global process set; anything else is a clear error."""
-    if process_set is not None and process_set is not global_process_set:
-        raise ValueError("cgx supports only the global process set; drop the process_set "
-                         "argument (or pass global_process_set)")
+def group_size(group) -> int:
+    return runtime.size() if group is None else len(group.ranks)
+
+
+def group_rank(group) -> int:
+    return runtime.rank() if group is None else group.ranks.index(runtime.rank())
+
+
+def _transport(group):
+    return process_sets.reducer_of(group).transport
 
 
 def resolve_op(op, average) -> ReduceOp:
@@ -69,47 +67,53 @@ def resolve_op(op, average) -> ReduceOp:
     return op
 
 
-def op_name(name, kind: str) -> str:
-    """``name``, or an auto-generated ``<kind>.noname.<n>`` (the same sequence on every rank)."""
-    return name if name is not None else f"{kind}.noname.{next(_names)}"
+def op_name(name, kind: str, group=None) -> str:
+    """``name``, or an auto-generated ``<kind>.noname.<n>``: one sequence per process set, the
+    same on each of its ranks (collectives of other sets do not shift it)."""
+    if name is not None:
+        return name
+    n = next(_names[None if group is None else tuple(group.ranks)])
+    return f"{kind}.noname.{n}"
 
 
-def check(kind: str, name: str, **fields) -> None:
+def check(kind: str, name: str, group=None, **fields) -> None:
     """Engine thread: every rank agrees on this collective before it runs (CGX_CHECK_CONSISTENCY).
 
     Raises:
         CollectiveMismatchError: on every rank, naming the fields that differ.
     """
     if runtime.config().check_consistency:
-        agree(session.reducer().transport, signature(kind, name, **fields))
+        agree(_transport(group), signature(kind, name, **fields))
 
 
-def check_root(root_rank, size: int) -> None:
+def check_root(root_rank, size: int, group=None) -> int:
+    """Validate a global ``root_rank``; returns it as a rank of ``group``."""
     if isinstance(root_rank, bool) or not isinstance(root_rank, int) or \
             not 0 <= root_rank < size:
         raise ValueError(f"root_rank must be a rank, an int in [0, {size}), got {root_rank!r}")
+    return process_sets.global_rank_to_set_rank(group, root_rank)
 
 
-def _on_transport(t: torch.Tensor) -> torch.Tensor:
-    dev = session.reducer().transport.device
+def _on_transport(t: torch.Tensor, group=None) -> torch.Tensor:
+    dev = _transport(group).device
     return t if t.device == dev else t.to(dev)
 
 
 # -- reductions -------------------------------------------------------------------
 
 def reduce_tensors(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: float,
-                   name: str, compression) -> list[torch.Tensor]:
+                   name: str, compression, group=None) -> list[torch.Tensor]:
     """Reduce copies of ``tensors`` over the world and return them (engine thread).
 
     ``compression``: None or ``Compression.none`` (exact), a cast (summable
     payloads, one plain allreduce), quantization (the fused SRA path; float64
     travels exact), or top-k/PowerSGD (their own reduction, per tensor).
     """
-    red = session.reducer()
+    red = process_sets.reducer_of(group)
     comp = None if compression is None else as_compressor(compression)
-    check("allreduce", name, op=op, prescale_factor=pre, postscale_factor=post,
+    check("allreduce", name, group, op=op, prescale_factor=pre, postscale_factor=post,
           compression=comp, **tensor_fields(tensors))
-    outs = [_on_transport(t.detach()).clone().contiguous() for t in tensors]
+    outs = [_on_transport(t.detach(), group).clone().contiguous() for t in tensors]
     if comp is None or comp.kind is CompressorKind.NONE:
         red.allreduce(outs, None, op=op, prescale_factor=pre, postscale_factor=post, name=name)
     elif comp.kind is CompressorKind.QUANTIZE and op in (ReduceOp.SUM, ReduceOp.AVERAGE) \
@@ -139,11 +143,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
         torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
-def allgather_rows(tensor: torch.Tensor, name: str = "allgather") -> torch.Tensor:
-    tr = session.reducer().transport
-    check("allgather", name, **tensor_fields([tensor], skip_first_dim=True),
+def allgather_rows(tensor: torch.Tensor, name: str = "allgather", group=None) -> torch.Tensor:
+    tr = _transport(group)
+    check("allgather", name, group, **tensor_fields([tensor], skip_first_dim=True),
           ndim=tensor.dim())
-    t = _on_transport(tensor.detach()).contiguous()
+    t = _on_transport(tensor.detach(), group).contiguous()
     rows = torch.tensor([t.shape[0] if t.dim() else 1], dtype=torch.int64, device=tr.device)
     all_rows = torch.empty(tr.size, dtype=torch.int64, device=tr.device)
     tr.allgather(all_rows.view(torch.uint8), rows.view(torch.uint8))
@@ -165,21 +169,21 @@ def allgather_rows(tensor: torch.Tensor, name: str = "allgather") -> torch.Tenso
 
 
 def broadcast_tensor(tensor: torch.Tensor, root_rank: int, out: torch.Tensor,
-                     name: str = "broadcast") -> torch.Tensor:
-    tr = session.reducer().transport
-    check_root(root_rank, tr.size)
-    check("broadcast", name, root_rank=root_rank, **tensor_fields([tensor]))
-    buf = _on_transport(tensor.detach()).clone().contiguous()
-    tr.broadcast(buf, root_rank)
+                     name: str = "broadcast", group=None) -> torch.Tensor:
+    tr = _transport(group)
+    root = check_root(root_rank, runtime.size(), group)
+    check("broadcast", name, group, root_rank=root_rank, **tensor_fields([tensor]))
+    buf = _on_transport(tensor.detach(), group).clone().contiguous()
+    tr.broadcast(buf, root)
     out.copy_(buf.view_as(out))
     return out
 
 
-def alltoall_rows(tensor: torch.Tensor, splits, name: str = "alltoall") -> tuple:
-    tr = session.reducer().transport
-    check("alltoall", name, **tensor_fields([tensor], skip_first_dim=True),
+def alltoall_rows(tensor: torch.Tensor, splits, name: str = "alltoall", group=None) -> tuple:
+    tr = _transport(group)
+    check("alltoall", name, group, **tensor_fields([tensor], skip_first_dim=True),
           ndim=tensor.dim(), splits_given=splits is not None)
-    t = _on_transport(tensor.detach()).contiguous()
+    t = _on_transport(tensor.detach(), group).contiguous()
     W = tr.size
     rows = t.shape[0] if t.dim() else 0
     if splits is None:
@@ -212,26 +216,27 @@ def alltoall_rows(tensor: torch.Tensor, splits, name: str = "alltoall") -> tuple
     return out, torch.tensor(rs, dtype=torch.int32)
 
 
-def reducescatter_rows(tensor, op, pre, post, name, compression):
-    full = reduce_tensors([tensor], op, pre, post, name, compression)[0]
-    W, r = runtime.size(), runtime.rank()
+def reducescatter_rows(tensor, op, pre, post, name, compression, group=None):
+    full = reduce_tensors([tensor], op, pre, post, name, compression, group)[0]
+    W, r = group_size(group), group_rank(group)
     rows = full.shape[0]
     base, extra = divmod(rows, W)
     start = r * base + min(r, extra)
     return full[start: start + base + (1 if r < extra else 0)].clone()
 
 
-def broadcast_tensors(tensors: list, root_rank: int, name: str = "broadcast") -> None:
+def broadcast_tensors(tensors: list, root_rank: int, name: str = "broadcast",
+                      group=None) -> None:
     """In-place broadcast of many tensors, fused into one buffer per dtype and device."""
-    tr = session.reducer().transport
-    check_root(root_rank, tr.size)
-    check("broadcast", name, root_rank=root_rank, **tensor_fields(tensors))
+    tr = _transport(group)
+    root = check_root(root_rank, runtime.size(), group)
+    check("broadcast", name, group, root_rank=root_rank, **tensor_fields(tensors))
     groups = collections.defaultdict(list)
     for t in tensors:
         groups[(t.dtype, t.device)].append(t)
     for (_dtype, device), group in groups.items():
         flat = torch.cat([t.detach().reshape(-1).to(tr.device) for t in group])
-        tr.broadcast(flat, root_rank)
+        tr.broadcast(flat, root)
         for t, part in zip(group, flat.split([t.numel() for t in group])):
             with torch.no_grad():
                 t.copy_(part.view_as(t).to(device))
@@ -239,28 +244,28 @@ def broadcast_tensors(tensors: list, root_rank: int, name: str = "broadcast") ->
 
 # -- Python objects ----------------------------------------------------------------
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: str = None) -> Any:
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str = None, group=None) -> Any:
     """``root_rank``'s ``obj`` (pickled) on every rank."""
-    if runtime.size() == 1:
+    root = check_root(root_rank, runtime.size(), group)
+    if group_size(group) == 1:
         return obj
-    check_root(root_rank, runtime.size())
     name = name or "broadcast_object"
 
     def run():
-        check("broadcast_object", name, root_rank=root_rank)
-        return session.reducer().transport.broadcast_object(obj, root_rank)
+        check("broadcast_object", name, group, root_rank=root_rank)
+        return _transport(group).broadcast_object(obj, root)
 
     return session.run(run, label=name)
 
 
-def allgather_object(obj: Any, name: str = None) -> list:
+def allgather_object(obj: Any, name: str = None, group=None) -> list:
     """Every rank's ``obj`` (pickled), as a list in rank order."""
-    if runtime.size() == 1:
+    if group_size(group) == 1:
         return [obj]
     name = name or "allgather_object"
 
     def run():
-        check("allgather_object", name)
-        return session.reducer().transport.allgather_object(obj)
+        check("allgather_object", name, group)
+        return _transport(group).allgather_object(obj)
 
     return session.run(run, label=name)

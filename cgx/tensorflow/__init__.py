@@ -76,18 +76,19 @@ from cgx.config import Config, Rounding
 from cgx.tensorflow._bridge import XLAUnsupportedError
 from cgx.tensorflow.gradients import DistributedGradientTape
 from cgx.tensorflow.compat import (HorovodInternalError, PartialDistributedGradientTape,
-                                   SyncBatchNormalization, add_process_set, broadcast_,
+                                   SyncBatchNormalization, broadcast_,
                                    broadcast_global_variables, broadcast_object_fn,
                                    check_extension, elastic, gpu_available, grouped_allgather,
                                    grouped_reducescatter, join, local_rank_op, local_size_op,
-                                   process_set_included_op, rank_op, reducescatter,
-                                   remove_process_set, size_op)
+                                   process_set_included_op, rank_op, reducescatter, size_op)
 from cgx.tensorflow.ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
                                 allgather, allgather_object, allreduce, alltoall, barrier,
                                 broadcast, broadcast_object, broadcast_variables,
                                 global_process_set, grouped_allreduce)
 # One init/shutdown for both adapters: the same runtime, the same engine thread.
 init = _session.init
+add_process_set = _session.add_process_set
+remove_process_set = _session.remove_process_set
 shutdown = _session.shutdown
 stats = _session.stats
 start_timeline = _session.start_timeline

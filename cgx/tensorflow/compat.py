@@ -10,16 +10,25 @@ import types
 import tensorflow as tf
 
 from cgx import runtime, session
-from cgx.collectives.functional import (Average, allgather_rows, check_process_set,
-                                        global_process_set, op_name, reducescatter_rows,
-                                        resolve_op)
+from cgx import process_sets
+from cgx.collectives.functional import (Average, allgather_rows, group_size, op_name,
+                                        reducescatter_rows, resolve_op)
+from cgx.process_sets import global_process_set
 from cgx.tensorflow._bridge import run_collective, to_tf, to_torch
+from cgx.tensorflow.ops import resolve_process_set
 from cgx.torch.compat import HorovodInternalError, _refuse, check_extension  # noqa: F401
 
 
+def _set_by_id(process_set_id: int):
+    ps = process_sets.ProcessSet([])
+    ps.process_set_id = process_set_id
+    return ps
+
+
 def size_op(process_set_id=0, name=None):
-    """The number of ranks, as a TF constant (Horovod's graph op)."""
-    return tf.constant(runtime.size(), dtype=tf.int32, name=name)
+    """The number of ranks (of a process set), as a TF constant (Horovod's graph op)."""
+    size = runtime.size() if process_set_id == 0 else _set_by_id(process_set_id).size()
+    return tf.constant(size, dtype=tf.int32, name=name)
 
 
 def local_size_op(name=None):
@@ -35,8 +44,11 @@ def local_rank_op(name=None):
 
 
 def process_set_included_op(process_set_id=0, name=None):
-    """1: this rank is in the process set (cgx has only the global one)."""
-    return tf.constant(1, dtype=tf.int32, name=name)
+    """1 if this rank is in the process set, else 0, as a TF constant."""
+    if process_set_id == 0:
+        return tf.constant(1, dtype=tf.int32, name=name)
+    ranks = process_sets.ranks_of_id(process_set_id)
+    return tf.constant(int(runtime.rank() in ranks), dtype=tf.int32, name=name)
 
 
 def gpu_available(ext_base_name=None, verbose=False) -> bool:
@@ -54,8 +66,8 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
     """A function that broadcasts a Python object from ``root_rank`` (Horovod's helper)."""
     from cgx.tensorflow.ops import broadcast_object
-    check_process_set(process_set)
-    return lambda obj: broadcast_object(obj, root_rank, name=name)
+    resolve_process_set(process_set)
+    return lambda obj: broadcast_object(obj, root_rank, name=name, process_set=process_set)
 
 
 def reducescatter(tensor, device_dense="", compression=None, op=Average, name=None,
@@ -64,16 +76,16 @@ def reducescatter(tensor, device_dense="", compression=None, op=Average, name=No
     """Reduce ``tensor`` over all ranks and keep this rank's rows of dim 0 (Horovod's split:
     ``rows // size`` each, the first ``rows % size`` ranks one more). The gradient is
     Horovod's: allgathered, divided by the number of ranks for Average."""
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, None)
-    name = op_name(name, "reducescatter")
+    name = op_name(name, "reducescatter", g)
     x = tf.convert_to_tensor(tensor)
     shape = tf.TensorShape(None) if x.shape.rank is None else \
         tf.TensorShape([None]).concatenate(x.shape[1:])
 
     def body(a):
         return [to_tf(session.run(reducescatter_rows, to_torch(a), op, prescale_factor,
-                                  postscale_factor, name, compression, label=name))]
+                                  postscale_factor, name, compression, g, label=name))]
 
     @tf.custom_gradient
     def forward(a):
@@ -81,11 +93,11 @@ def reducescatter(tensor, device_dense="", compression=None, op=Average, name=No
 
         def grad(dy):
             def gather(d):
-                return [to_tf(session.run(allgather_rows, to_torch(d), name + ".grad",
+                return [to_tf(session.run(allgather_rows, to_torch(d), name + ".grad", g,
                                           label=name))]
             full = run_collective(gather, [dy], [dy.dtype], [a.shape], name + ".grad")[0]
             scale = prescale_factor * postscale_factor / (
-                runtime.size() if op is Average else 1)
+                group_size(g) if op is Average else 1)
             return full * tf.cast(scale, full.dtype) if scale != 1.0 else full
 
         return y, grad
@@ -96,7 +108,7 @@ def reducescatter(tensor, device_dense="", compression=None, op=Average, name=No
 def grouped_reducescatter(tensors, device_dense="", compression=None, op=Average, name=None,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
-    name = op_name(name, "grouped_reducescatter")
+    name = op_name(name, "grouped_reducescatter", resolve_process_set(process_set))
     return [reducescatter(t, compression=compression, op=op, name=f"{name}.{i}",
                           process_set=process_set, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor) for i, t in enumerate(tensors)]
@@ -104,7 +116,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=None, op=Average
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     from cgx.tensorflow.ops import allgather
-    name = op_name(name, "grouped_allgather")
+    name = op_name(name, "grouped_allgather", resolve_process_set(process_set))
     return [allgather(t, name=f"{name}.{i}", process_set=process_set)
             for i, t in enumerate(tensors)]
 
@@ -116,8 +128,6 @@ broadcast_global_variables = _refuse(
 join = _refuse("hvd.join() for TensorFlow", "join() covers the torch DistributedOptimizer; "
                "give every rank the same number of batches (e.g. repeat() and a fixed "
                "steps_per_epoch)")
-add_process_set = _refuse("add_process_set()", "cgx reduces over the global process set only")
-remove_process_set = _refuse("remove_process_set()", "cgx has only the global process set")
 PartialDistributedGradientTape = _refuse(
     "PartialDistributedGradientTape", "reduce the shared variables' gradients with "
     "DistributedGradientTape and apply the local layers' gradients from a plain tape")

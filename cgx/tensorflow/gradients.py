@@ -25,14 +25,14 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
-from cgx import runtime
 from cgx import session
 from cgx.compression import Compression
 from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf
 from cgx.grad_plan import GradientPlan, unique_names
-from cgx.collectives.functional import Average, Sum, check_process_set, global_process_set
+from cgx.collectives.functional import Average, Sum, group_size
+from cgx.process_sets import global_process_set
 from cgx.collectives.reducer import ReduceStats
-from cgx.tensorflow.ops import tf_side_compressor
+from cgx.tensorflow.ops import resolve_process_set, tf_side_compressor
 
 _labels = itertools.count()
 
@@ -76,17 +76,19 @@ class GradientExchange:
         rules: per-layer rules (``cgx.rules``).
         label: names the collective (timeline, stochastic-rounding key); the
             same on every rank.
+        process_set: reduce over the ranks of this process set only.
     """
 
     def __init__(self, compression=Compression.none, op=Average,
                  gradient_predivide_factor: float = 1.0, rules=None,
-                 label: Optional[str] = None):
+                 label: Optional[str] = None, process_set=global_process_set):
         check_gradient_args(op, gradient_predivide_factor, "gradient reduction")
         self._user = tf_side_compressor(compression)
         self.compression = Compression.exact if self._user is not None else compression
         self.op = op
         self.predivide = float(gradient_predivide_factor)
         self.rules = rules
+        self.group = resolve_process_set(process_set)
         self.label = label or f"grads{next(_labels)}"
         self._plans: dict = {}
         self._lock = threading.Lock()
@@ -97,7 +99,8 @@ class GradientExchange:
             plan = self._plans.get(key)
             if plan is None:
                 plan = GradientPlan(names, shapes, self.compression, op=self.op,
-                                    predivide=self.predivide, rules=self.rules)
+                                    predivide=self.predivide, rules=self.rules,
+                                    group=self.group)
                 self._plans[key] = plan
             return plan
 
@@ -133,7 +136,7 @@ class GradientExchange:
                  tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                  for g in grads]
         keep = [i for i, g in enumerate(dense) if g is not None]
-        if not keep or runtime.size() == 1:
+        if not keep or group_size(self.group) == 1:
             return dense  # Average and Sum over one rank change nothing
         if self._user is not None:
             pairs = {i: self._user.compress(dense[i]) for i in keep}
@@ -191,13 +194,15 @@ _exchanges: dict = {}
 _exchanges_lock = threading.Lock()
 
 
-def _shared_exchange(compression, op, predivide, rules) -> GradientExchange:
-    key = (repr(compression), op, float(predivide), repr(rules))
+def _shared_exchange(compression, op, predivide, rules,
+                     process_set=global_process_set) -> GradientExchange:
+    key = (repr(compression), op, float(predivide), repr(rules),
+           getattr(process_set, "process_set_id", 0))
     with _exchanges_lock:
         ex = _exchanges.get(key)
         if ex is None:
             ex = GradientExchange(compression, op, predivide, rules,
-                                  label=f"tape{len(_exchanges)}")
+                                  label=f"tape{len(_exchanges)}", process_set=process_set)
             _exchanges[key] = ex
         return ex
 
@@ -243,11 +248,12 @@ class DistributedGradientTape:
             raise ValueError("this tape is already a DistributedGradientTape; wrap it once")
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError(f"gradtape must be a tf.GradientTape, got {type(gradtape).__name__}")
-        check_process_set(process_set)
+        resolve_process_set(process_set)  # raises now if this rank may not use it
         check_gradient_args(op, gradient_predivide_factor, "DistributedGradientTape")
         self._tape = gradtape
         self._names = _named(named_variables)
-        self._exchange = _shared_exchange(compression, op, gradient_predivide_factor, rules)
+        self._exchange = _shared_exchange(compression, op, gradient_predivide_factor, rules,
+                                          process_set)
         self.sparse_as_dense = sparse_as_dense
 
     @property

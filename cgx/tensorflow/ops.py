@@ -15,7 +15,7 @@ Differences from Horovod, by design (as in ``cgx.torch``):
 * ``allreduce`` is exact unless a ``compression`` is passed (gradient
   compression from the environment applies to ``DistributedGradientTape``
   and the Keras ``DistributedOptimizer``, not to metric averaging).
-* ``process_set`` accepts only the global set; ``op=Adasum`` is not supported;
+* ``op=Adasum`` is not supported;
   ``device_dense``/``device_sparse`` are accepted and ignored.
 """
 
@@ -30,10 +30,19 @@ from cgx.compression import Compression, Compressor, as_compressor
 from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf, to_torch
 # The torch-level bodies of the collectives, written once in the core for both adapters.
 from cgx.collectives.functional import (  # noqa: F401 - Horovod's op names, re-exported
-    Adasum, Average, Max, Min, Product, ProcessSet, Sum, allgather_rows, alltoall_rows,
-    broadcast_tensor, broadcast_tensors, check_process_set, global_process_set, op_name,
-    reduce_tensors, resolve_op)
+    Adasum, Average, Max, Min, Product, Sum, allgather_rows, alltoall_rows, broadcast_tensor,
+    broadcast_tensors, group_rank, group_size, op_name, reduce_tensors, resolve_op)
+from cgx.process_sets import ProcessSet, global_process_set, reducer_of  # noqa: F401
 from cgx.collectives import functional as _functional
+
+
+def resolve_process_set(process_set):
+    """The core's process-set group, with Horovod's TensorFlow error type: a set this rank
+    may not use raises ``tf.errors.InvalidArgumentError``."""
+    try:
+        return _functional.resolve_process_set(process_set)
+    except ValueError as e:
+        raise tf.errors.InvalidArgumentError(None, None, str(e)) from None
 
 
 # Autograph would rewrite these Python bodies when they are called inside a
@@ -62,17 +71,18 @@ def _float_grads(grads, xs):
 
 # -- allreduce --------------------------------------------------------------------
 
-def _allreduce_dense(tensors, op, pre, post, name, compression):
+def _allreduce_dense(tensors, op, pre, post, name, compression, group=None):
     """Allreduce a list of dense TF tensors in one fused collective, with a gradient."""
     user = tf_side_compressor(compression)
     if user is not None:
         pairs = [user.compress(t) for t in tensors]
-        reduced = _allreduce_dense([p for p, _ in pairs], op, pre, post, name, Compression.exact)
+        reduced = _allreduce_dense([p for p, _ in pairs], op, pre, post, name, Compression.exact,
+                                   group)
         return [user.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
     def body(*xs):
         outs = session.run(reduce_tensors, [to_torch(x) for x in xs], op, pre, post, name,
-                           compression, label=name)
+                           compression, group, label=name)
         return [to_tf(o) for o in outs]
 
     @tf.custom_gradient
@@ -82,21 +92,21 @@ def _allreduce_dense(tensors, op, pre, post, name, compression):
         def grad(*dys):
             dys = [tf.zeros_like(x) if d is None else d for d, x in zip(dys, xs)]
             return _float_grads(_allreduce_dense(dys, op, pre, post, name + ".grad",
-                                                 compression), xs)
+                                                 compression, group), xs)
 
         return ys, grad
 
     return list(forward(*[tf.convert_to_tensor(t) for t in tensors]))
 
 
-def _allreduce_sparse(slices: tf.IndexedSlices, op, pre, post, name):
+def _allreduce_sparse(slices: tf.IndexedSlices, op, pre, post, name, process_set=None):
     """Horovod's IndexedSlices reduction: gather values and indices (no densifying)."""
     if op not in (Average, Sum):
         raise ValueError(f"allreduce of tf.IndexedSlices supports op Average or Sum, got {op!r}; "
                          "pass tf.convert_to_tensor(slices) to reduce it densely")
-    values = allgather(slices.values, name=name + ".values")
-    indices = allgather(slices.indices, name=name + ".indices")
-    scale = pre * post / (runtime.size() if op is Average else 1)
+    values = allgather(slices.values, name=name + ".values", process_set=process_set)
+    indices = allgather(slices.indices, name=name + ".indices", process_set=process_set)
+    scale = pre * post / (group_size(resolve_process_set(process_set)) if op is Average else 1)
     if scale != 1.0:
         values = values * tf.cast(scale, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
@@ -121,13 +131,14 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
 
         avg_loss = hvd.allreduce(loss, name="loss")
     """
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, average)
-    name = op_name(name, "allreduce")
+    name = op_name(name, "allreduce", g)
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, name)
+        return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, name,
+                                 process_set)
     return _allreduce_dense([tensor], op, prescale_factor, postscale_factor, name,
-                            compression)[0]
+                            compression, g)[0]
 
 
 @_no_autograph
@@ -135,7 +146,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set, name=None):
     """Fused allreduce of a list of tensors (one collective for all); returns a list."""
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, average)
     tensors = list(tensors)
     if any(isinstance(t, tf.IndexedSlices) for t in tensors):
@@ -144,7 +155,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     if not tensors:
         return []
     return _allreduce_dense(tensors, op, prescale_factor, postscale_factor,
-                            op_name(name, "grouped_allreduce"), compression)
+                            op_name(name, "grouped_allreduce", g), compression, g)
 
 
 # -- allgather, broadcast, alltoall ---------------------------------------------------
@@ -155,18 +166,18 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
     A scalar gathers into a vector of ``size()`` values.
     """
-    check_process_set(process_set)
-    name = op_name(name, "allgather")
+    g = resolve_process_set(process_set)
+    name = op_name(name, "allgather", g)
     x = tf.convert_to_tensor(tensor)
     if x.shape.rank is None:
         shape = tf.TensorShape(None)
     elif x.shape.rank == 0:
-        shape = tf.TensorShape([runtime.size()])
+        shape = tf.TensorShape([group_size(g)])
     else:
         shape = tf.TensorShape([None]).concatenate(x.shape[1:])
 
     def body(a):
-        return [to_tf(session.run(allgather_rows, to_torch(a), name, label=name))]
+        return [to_tf(session.run(allgather_rows, to_torch(a), name, g, label=name))]
 
     @tf.custom_gradient
     def forward(a):
@@ -174,12 +185,13 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
         def grad(dy):
             # Horovod's rule: averaged over ranks, then this rank's rows.
-            averaged = allreduce(dy, op=Average, name=name + ".grad")
+            averaged = allreduce(dy, op=Average, name=name + ".grad", process_set=process_set)
+            me = group_rank(g)
             if a.shape.rank == 0:
-                return averaged[runtime.rank()]
+                return averaged[me]
             rows = tf.shape(a, out_type=tf.int64)[:1]
-            counts = allgather(rows, name=name + ".rows")
-            start = tf.reduce_sum(counts[:runtime.rank()])
+            counts = allgather(rows, name=name + ".rows", process_set=process_set)
+            start = tf.reduce_sum(counts[:me])
             return averaged[start:start + rows[0]]
 
         return y, grad
@@ -195,22 +207,23 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     The gradient is the average of every rank's gradient on the root, zeros elsewhere
     (Horovod's rule).
     """
-    check_process_set(process_set)
-    _check_root(root_rank)
-    name = op_name(name, "broadcast")
+    g = resolve_process_set(process_set)
+    _check_root(root_rank, g)
+    name = op_name(name, "broadcast", g)
     x = tf.convert_to_tensor(tensor)
 
     def body(a):
         t = to_torch(a)
         return [to_tf(session.run(broadcast_tensor, t, root_rank, torch.empty_like(t), name,
-                                  label=name))]
+                                  g, label=name))]
 
     @tf.custom_gradient
     def forward(a):
         y = run_collective(body, [a], [a.dtype], [a.shape], name)[0]
 
         def grad(dy):
-            averaged = allreduce(dy, op=Average, name=name + ".grad")  # as Horovod
+            averaged = allreduce(dy, op=Average, name=name + ".grad",  # as Horovod
+                                 process_set=process_set)
             return averaged if runtime.rank() == root_rank else tf.zeros_like(averaged)
 
         return y, grad
@@ -226,8 +239,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     Returns:
         The received rows; with ``splits``, also the int32 counts received per rank.
     """
-    check_process_set(process_set)
-    name = op_name(name, "alltoall")
+    g = resolve_process_set(process_set)
+    name = op_name(name, "alltoall", g)
     x = tf.convert_to_tensor(tensor)
     s = None if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int64)
     shape = tf.TensorShape(None) if x.shape.rank is None else \
@@ -235,16 +248,17 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 
     def body(a, *rest):
         sp = to_torch(rest[0]).tolist() if rest else None
-        out, received = session.run(alltoall_rows, to_torch(a), sp, name, label=name)
+        out, received = session.run(alltoall_rows, to_torch(a), sp, name, g, label=name)
         return [to_tf(out), to_tf(received)]
 
     @tf.custom_gradient
     def forward(a, *rest):
         y, received = run_collective(body, [a, *rest], [a.dtype, tf.int32],
-                                     [shape, tf.TensorShape([runtime.size()])], name)
+                                     [shape, tf.TensorShape([group_size(g)])], name)
 
         def grad(dy, _unused=None):
-            back = alltoall(dy, splits=received, name=name + ".grad")[0]
+            back = alltoall(dy, splits=received, name=name + ".grad",
+                            process_set=process_set)[0]
             return [back] + [None] * len(rest)
 
         return (y, received), grad
@@ -255,18 +269,18 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 
 @_no_autograph
 def barrier(process_set=global_process_set) -> None:
-    """Block until every rank arrives."""
-    check_process_set(process_set)
+    """Block until every rank (of ``process_set``) arrives."""
+    g = resolve_process_set(process_set)
 
     def body():
-        session.run(lambda: session.reducer().transport.barrier(), label="barrier")
+        session.run(lambda: reducer_of(g).transport.barrier(), label="barrier")
         return []
 
     run_collective(body, [], [], [], "barrier")
 
 
-def _check_root(root_rank) -> None:
-    _functional.check_root(root_rank, runtime.size())
+def _check_root(root_rank, group=None) -> None:
+    _functional.check_root(root_rank, runtime.size(), group)
 
 
 # -- variables ----------------------------------------------------------------------
@@ -286,15 +300,16 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 
         hvd.broadcast_variables(model.variables, root_rank=0)
     """
-    check_process_set(process_set)
-    _check_root(root_rank)
+    g = resolve_process_set(process_set)
+    _check_root(root_rank, g)
     variables = list(variables)
-    if not variables or runtime.size() == 1:
+    if not variables or group_size(g) == 1:
         return None if tf.executing_eagerly() else tf.no_op()
     values = [tf.convert_to_tensor(v) for v in variables]
     def body(*xs):
         ts = [copy_to_torch(x) for x in xs]  # broadcast in place: into copies, never TF memory
-        session.run(broadcast_tensors, ts, root_rank, "broadcast_variables", label="broadcast_variables")
+        session.run(broadcast_tensors, ts, root_rank, "broadcast_variables", g,
+                    label="broadcast_variables")
         return [to_tf(t) for t in ts]
 
     new = run_collective(body, values, [v.dtype for v in values], [v.shape for v in values],
@@ -308,11 +323,11 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 def broadcast_object(obj=None, root_rank=0, session=None, name=None,
                      process_set=global_process_set):
     """``root_rank``'s ``obj`` (pickled) on every rank (eager only)."""
-    check_process_set(process_set)
-    return _functional.broadcast_object(obj, root_rank, name)
+    g = resolve_process_set(process_set)
+    return _functional.broadcast_object(obj, root_rank, name, g)
 
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Every rank's ``obj`` (pickled), as a list in rank order (eager only)."""
-    check_process_set(process_set)
-    return _functional.allgather_object(obj, name)
+    g = resolve_process_set(process_set)
+    return _functional.allgather_object(obj, name, g)

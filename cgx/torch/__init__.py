@@ -25,10 +25,11 @@ from cgx.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo
 from cgx.compression import Compression
 from cgx.config import Config, Rounding
 from cgx import session as _session
-from cgx.collectives.functional import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
-                                        allgather_object, broadcast_object, global_process_set)
+from cgx.collectives.functional import Adasum, Average, Max, Min, Product, Sum
+from cgx.process_sets import ProcessSet, global_process_set
 from cgx.torch.ddp import CGXState, cgx_hook
-from cgx.torch.functions import broadcast_optimizer_state, broadcast_parameters
+from cgx.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                                 broadcast_parameters)
 from cgx.torch.ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
                            allreduce_async_, alltoall, alltoall_async, barrier, broadcast,
                            broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
@@ -37,14 +38,16 @@ from cgx.torch.ops import (allgather, allgather_async, allreduce, allreduce_, al
                            grouped_reducescatter, grouped_reducescatter_async, join, poll,
                            reducescatter, reducescatter_async, sparse_allreduce_async,
                            synchronize)
-from cgx.torch.compat import (HorovodInternalError, SyncBatchNorm, add_process_set,
-                              check_extension, compression, elastic, remove_process_set)
+from cgx.torch.compat import (HorovodInternalError, SyncBatchNorm, check_extension, compression,
+                              elastic)
 from cgx.torch.optimizer import DistributedOptimizer
 from cgx.torch.tensorboard import StatsLogger
 
 
 
 init = _session.init
+add_process_set = _session.add_process_set
+remove_process_set = _session.remove_process_set
 shutdown = _session.shutdown
 stats = _session.stats
 start_timeline = _session.start_timeline

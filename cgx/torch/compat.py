@@ -30,12 +30,6 @@ def _refuse(what: str, instead: str):
     return fn
 
 
-add_process_set = _refuse(
-    "add_process_set()", "cgx reduces over the global process set only: start a separate job "
-    "for another group of ranks, or use torch.distributed.new_group for your own collectives")
-remove_process_set = _refuse("remove_process_set()", "cgx has only the global process set")
-
-
 class SyncBatchNorm:
     """Not supported by cgx: use ``torch.nn.SyncBatchNorm`` (cgx.init() sets up
     torch.distributed, which it needs)."""

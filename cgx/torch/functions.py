@@ -6,7 +6,26 @@ import torch
 
 from cgx import runtime
 from cgx import session
-from cgx.collectives.functional import broadcast_object, broadcast_tensors
+from cgx.collectives import functional
+from cgx.collectives.functional import broadcast_tensors
+from cgx.process_sets import global_process_set
+
+
+def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global_process_set):
+    """``root_rank``'s ``obj`` (pickled) on every rank of ``process_set``.
+
+    Example::
+
+        epoch = hvd.broadcast_object(epoch, root_rank=0)
+    """
+    g = functional.resolve_process_set(process_set)
+    return functional.broadcast_object(obj, root_rank, name, g)
+
+
+def allgather_object(obj, name=None):
+    """Every rank's ``obj`` (pickled), as a list in rank order (Horovod's signature:
+    no process set)."""
+    return functional.allgather_object(obj, name)
 
 
 def broadcast_parameters(params, root_rank: int) -> None:
@@ -79,7 +98,8 @@ def broadcast_optimizer_state(optimizer, root_rank: int) -> None:
     local = optimizer.state_dict()
     tensors: list = []
     structure = _split_tensors(_without_per_rank(local), tensors)
-    structure = broadcast_object(structure if runtime.rank() == root_rank else None, root_rank)
+    structure = functional.broadcast_object(
+        structure if runtime.rank() == root_rank else None, root_rank)
     if runtime.rank() != root_rank:
         tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device=device)
                    for _, _, shape, dtype, device in _placeholders(structure)]

@@ -7,8 +7,8 @@ Same names, signatures and defaults as Horovod 0.28.1. Differences, by design:
 * The functional ``allreduce`` is exact unless a ``compression`` is passed
   (gradient compression from the environment applies to
   ``DistributedOptimizer`` and the DDP hook, not to metric averaging).
-* ``process_set`` accepts only the global set; ``op=Adasum`` is not supported.
-* ``reducescatter`` reduces the whole tensor and keeps this rank's rows.
+* ``op=Adasum`` is not supported.
+* Process sets: see :mod:`cgx.process_sets` (no ``HOROVOD_DYNAMIC_PROCESS_SETS`` needed).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import torch
 from cgx import runtime, session
 from cgx.comm.base import ReduceOp
 from cgx.collectives.functional import (Average, Sum, allgather_rows, alltoall_rows,
-                                        broadcast_tensor, check_process_set, check_root,
-                                        global_process_set,
-                                        op_name, reduce_tensors, reducescatter_rows, resolve_op)
+                                        broadcast_tensor, check_root, group_rank, group_size,
+                                        op_name, reduce_tensors, reducescatter_rows, resolve_op,
+                                        resolve_process_set)
+from cgx.process_sets import global_process_set
 from cgx.compression import Compression
 
 # -- allreduce ------------------------------------------------------------------
@@ -31,27 +32,27 @@ class _Allreduce(torch.autograd.Function):
     """Allreduce with a gradient: the backward pass allreduces the gradient the same way."""
 
     @staticmethod
-    def forward(ctx, op, pre, post, name, compression, *tensors):
-        ctx.args = (op, pre, post, name, compression)
+    def forward(ctx, op, pre, post, name, compression, group, *tensors):
+        ctx.args = (op, pre, post, name, compression, group)
         return tuple(session.run(reduce_tensors, list(tensors), op, pre, post, name, compression,
-                                 label=name))
+                                 group, label=name))
 
     @staticmethod
     def backward(ctx, *grads):
-        op, pre, post, name, compression = ctx.args
+        op, pre, post, name, compression, group = ctx.args
         out = session.run(reduce_tensors, [g.contiguous() for g in grads], op, pre, post,
-                          name + ".grad", compression, label=name)
-        return (None, None, None, None, None, *out)
+                          name + ".grad", compression, group, label=name)
+        return (None, None, None, None, None, None, *out)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set):
     """Start an exact allreduce of a copy of ``tensor``; ``synchronize(handle)`` returns it."""
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, average)
-    name = op_name(name, "allreduce")
+    name = op_name(name, "allreduce", g)
     return session.submit(lambda: reduce_tensors([tensor], op, prescale_factor, postscale_factor,
-                                               name, None)[0], label=name)
+                                               name, None, g)[0], label=name)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
@@ -68,15 +69,15 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
         avg_loss = hvd.allreduce(loss.detach(), name="loss")
     """
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, average)
-    return _Allreduce.apply(op, prescale_factor, postscale_factor, op_name(name, "allreduce"),
-                            compression, tensor)[0]
+    return _Allreduce.apply(op, prescale_factor, postscale_factor, op_name(name, "allreduce", g),
+                            compression, g, tensor)[0]
 
 
-def _reduce_in_place(tensors, op, pre, post, name):
+def _reduce_in_place(tensors, op, pre, post, name, group=None):
     """Engine thread: reduce ``tensors`` and write the results back into them."""
-    for t, o in zip(tensors, reduce_tensors(tensors, op, pre, post, name, None)):
+    for t, o in zip(tensors, reduce_tensors(tensors, op, pre, post, name, None, group)):
         t.copy_(o)
     return tensors
 
@@ -84,12 +85,12 @@ def _reduce_in_place(tensors, op, pre, post, name):
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set):
     """In-place form of :func:`allreduce_async`: ``synchronize`` writes into ``tensor``."""
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, average)
-    name = op_name(name, "allreduce")
+    name = op_name(name, "allreduce", g)
 
     return session.submit(lambda: _reduce_in_place([tensor], op, prescale_factor,
-                                                   postscale_factor, name)[0], label=name)
+                                                   postscale_factor, name, g)[0], label=name)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -102,32 +103,32 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set):
     """Start one fused allreduce of several tensors; the handle yields a list."""
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, average)
-    name = op_name(name, "grouped_allreduce")
+    name = op_name(name, "grouped_allreduce", g)
     tensors = list(tensors)
     return session.submit(reduce_tensors, tensors, op, prescale_factor, postscale_factor, name,
-                          None, label=name)
+                          None, g, label=name)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """Fused allreduce of a list of tensors (one collective for all); returns a list."""
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, average)
     return list(_Allreduce.apply(op, prescale_factor, postscale_factor,
-                                 op_name(name, "grouped_allreduce"), compression, *tensors))
+                                 op_name(name, "grouped_allreduce", g), compression, g, *tensors))
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set):
     """In-place form of :func:`grouped_allreduce_async`: results land in ``tensors``."""
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, average)
-    name = op_name(name, "grouped_allreduce")
+    name = op_name(name, "grouped_allreduce", g)
     tensors = list(tensors)
     return session.submit(_reduce_in_place, tensors, op, prescale_factor, postscale_factor, name,
-                          label=name)
+                          g, label=name)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -140,69 +141,71 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):
+    def forward(ctx, tensor, name, group):
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        ctx.name = name
-        return session.run(allgather_rows, tensor, name, label=name)
+        ctx.name, ctx.group = name, group
+        return session.run(allgather_rows, tensor, name, group, label=name)
 
     @staticmethod
     def backward(ctx, grad):
         # Horovod's rule: the gradient is averaged over ranks, then each rank keeps its rows.
+        g = ctx.group
         averaged = session.run(reduce_tensors, [grad.contiguous()], ReduceOp.AVERAGE, 1.0, 1.0,
-                               ctx.name + ".grad", None)[0]
-        rows = session.run(allgather_rows, torch.tensor([ctx.rows]), ctx.name + ".grad.rows")
-        start = int(rows[: runtime.rank()].sum().item())
+                               ctx.name + ".grad", None, g)[0]
+        rows = session.run(allgather_rows, torch.tensor([ctx.rows]), ctx.name + ".grad.rows", g)
+        me = group_rank(g)
+        start = int(rows[:me].sum().item())
         return averaged[start: start + ctx.rows].view_as(grad[: ctx.rows]) if grad.dim() else \
-            averaged[runtime.rank()], None
+            averaged[me], None, None
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start gathering every rank's ``tensor`` along dim 0 (first dims may differ)."""
-    check_process_set(process_set)
-    name = op_name(name, "allgather")
-    return session.submit(allgather_rows, tensor, name, label=name)
+    g = resolve_process_set(process_set)
+    name = op_name(name, "allgather", g)
+    return session.submit(allgather_rows, tensor, name, g, label=name)
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Concatenate every rank's ``tensor`` along dim 0 (first dims may differ); returns it."""
-    check_process_set(process_set)
-    return _Allgather.apply(tensor, op_name(name, "allgather"))
+    g = resolve_process_set(process_set)
+    return _Allgather.apply(tensor, op_name(name, "allgather", g), g)
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank = root_rank
-        check_root(root_rank, runtime.size())
+    def forward(ctx, tensor, root_rank, name, group):
+        ctx.root_rank, ctx.group = root_rank, group
+        check_root(root_rank, runtime.size(), group)
         return session.run(broadcast_tensor, tensor, root_rank, torch.empty_like(tensor), name,
-                           label=name)
+                           group, label=name)
 
     @staticmethod
     def backward(ctx, grad):
         summed = session.run(reduce_tensors, [grad.contiguous()], ReduceOp.AVERAGE, 1.0, 1.0,
-                             "broadcast.grad", None)[0]
-        return (summed if runtime.rank() == ctx.root_rank else summed * 0), None, None
+                             "broadcast.grad", None, ctx.group)[0]
+        return (summed if runtime.rank() == ctx.root_rank else summed * 0), None, None, None
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
-    check_process_set(process_set)
-    check_root(root_rank, runtime.size())
-    name = op_name(name, "broadcast")
+    g = resolve_process_set(process_set)
+    check_root(root_rank, runtime.size(), g)
+    name = op_name(name, "broadcast", g)
     return session.submit(broadcast_tensor, tensor, root_rank, torch.empty_like(tensor), name,
-                          label=name)
+                          g, label=name)
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """``root_rank``'s value of ``tensor`` on every rank (a new tensor)."""
-    check_process_set(process_set)
-    return _Broadcast.apply(tensor, root_rank, op_name(name, "broadcast"))
+    g = resolve_process_set(process_set)
+    return _Broadcast.apply(tensor, root_rank, op_name(name, "broadcast", g), g)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
-    check_process_set(process_set)
-    check_root(root_rank, runtime.size())
-    name = op_name(name, "broadcast")
-    return session.submit(broadcast_tensor, tensor, root_rank, tensor, name, label=name)
+    g = resolve_process_set(process_set)
+    check_root(root_rank, runtime.size(), g)
+    name = op_name(name, "broadcast", g)
+    return session.submit(broadcast_tensor, tensor, root_rank, tensor, name, g, label=name)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
@@ -211,10 +214,10 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
-    check_process_set(process_set)
-    name = op_name(name, "alltoall")
-    return session.submit(lambda: alltoall_rows(tensor, splits, name)
-                          if splits is not None else alltoall_rows(tensor, None, name)[0],
+    g = resolve_process_set(process_set)
+    name = op_name(name, "alltoall", g)
+    return session.submit(lambda: alltoall_rows(tensor, splits, name, g)
+                          if splits is not None else alltoall_rows(tensor, None, name, g)[0],
                           label=name)
 
 
@@ -229,11 +232,11 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0):
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, None)
-    name = op_name(name, "reducescatter")
+    name = op_name(name, "reducescatter", g)
     return session.submit(reducescatter_rows, tensor, op, prescale_factor, postscale_factor,
-                          name, None, label=name)
+                          name, None, g, label=name)
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -241,17 +244,17 @@ class _Reducescatter(torch.autograd.Function):
     the number of ranks for Average), scaled like the forward."""
 
     @staticmethod
-    def forward(ctx, tensor, op, pre, post, name, compression):
-        ctx.args = (op, pre, post, name)
-        return session.run(reducescatter_rows, tensor, op, pre, post, name, compression,
+    def forward(ctx, tensor, op, pre, post, name, compression, group):
+        ctx.args = (op, pre, post, name, group)
+        return session.run(reducescatter_rows, tensor, op, pre, post, name, compression, group,
                            label=name)
 
     @staticmethod
     def backward(ctx, grad):
-        op, pre, post, name = ctx.args
-        full = session.run(allgather_rows, grad.contiguous(), name + ".grad", label=name)
-        scale = pre * post / (runtime.size() if op is Average else 1)
-        return (full * scale if scale != 1.0 else full), None, None, None, None, None
+        op, pre, post, name, group = ctx.args
+        full = session.run(allgather_rows, grad.contiguous(), name + ".grad", group, label=name)
+        scale = pre * post / (group_size(group) if op is Average else 1)
+        return (full * scale if scale != 1.0 else full), None, None, None, None, None, None
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
@@ -262,21 +265,21 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     ranks one more. The gradient is Horovod's: allgathered (divided by the
     number of ranks for Average).
     """
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, None)
     return _Reducescatter.apply(tensor, op, prescale_factor, postscale_factor,
-                                op_name(name, "reducescatter"), compression)
+                                op_name(name, "reducescatter", g), compression, g)
 
 
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
     """Start reduce-scatters of several tensors; the handle yields a list (Horovod's order)."""
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, None)
-    name = op_name(name, "grouped_reducescatter")
+    name = op_name(name, "grouped_reducescatter", g)
     tensors = list(tensors)
     return session.submit(lambda: [reducescatter_rows(t, op, prescale_factor, postscale_factor,
-                                                      f"{name}.{i}", None)
+                                                      f"{name}.{i}", None, g)
                                    for i, t in enumerate(tensors)], label=name)
 
 
@@ -284,53 +287,53 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
     """Reduce-scatter of each tensor of a list (with gradients); returns a list."""
-    name = op_name(name, "grouped_reducescatter")
+    name = op_name(name, "grouped_reducescatter", resolve_process_set(process_set))
     return [reducescatter(t, f"{name}.{i}", compression, op, process_set, prescale_factor,
                           postscale_factor) for i, t in enumerate(tensors)]
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Start allgathers of several tensors; the handle yields a list."""
-    check_process_set(process_set)
-    name = op_name(name, "grouped_allgather")
+    g = resolve_process_set(process_set)
+    name = op_name(name, "grouped_allgather", g)
     tensors = list(tensors)
-    return session.submit(lambda: [allgather_rows(t, f"{name}.{i}")
+    return session.submit(lambda: [allgather_rows(t, f"{name}.{i}", g)
                                    for i, t in enumerate(tensors)], label=name)
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     """Allgather of each tensor of a list (with gradients); returns a list."""
-    check_process_set(process_set)
-    name = op_name(name, "grouped_allgather")
-    return [_Allgather.apply(t, f"{name}.{i}") for i, t in enumerate(tensors)]
+    g = resolve_process_set(process_set)
+    name = op_name(name, "grouped_allgather", g)
+    return [_Allgather.apply(t, f"{name}.{i}", g) for i, t in enumerate(tensors)]
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     """Horovod's sparse allreduce: every rank's (indices, values) allgathered, the values
     divided by the number of ranks for Average. The handle yields a sparse COO tensor
     (uncoalesced, as Horovod's)."""
-    check_process_set(process_set)
+    g = resolve_process_set(process_set)
     op = resolve_op(op, None)
     if op not in (Average, Sum):
         raise ValueError(f"sparse_allreduce supports op Average or Sum, got {op!r}")
     if not tensor.is_sparse:
         raise TypeError("sparse_allreduce_async takes a sparse COO tensor (e.g. the gradient "
                         "of nn.Embedding(sparse=True)); use allreduce_async for dense ones")
-    name = op_name(name, "sparse_allreduce")
+    name = op_name(name, "sparse_allreduce", g)
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
 
     def run():
         # Allgather concatenates along dim 0: indices travel transposed (nnz x ndim).
-        indices = allgather_rows(t.indices().t().contiguous(), f"{name}.indices")
-        values = allgather_rows(t.values().contiguous(), f"{name}.values")
+        indices = allgather_rows(t.indices().t().contiguous(), f"{name}.indices", g)
+        values = allgather_rows(t.values().contiguous(), f"{name}.values", g)
         if op is Average:
-            values = values / runtime.size()
+            values = values / group_size(g)
         return torch.sparse_coo_tensor(indices.t(), values, t.size())
 
     return session.submit(run, label=name)
 
 
-# -- handles and synchronization# -- handles and synchronization ----------------------------------------------------
+# -- handles and synchronization ----------------------------------------------------
 
 def poll(handle) -> bool:
     """True when the operation behind ``handle`` has finished (never blocks)."""
@@ -343,9 +346,10 @@ def synchronize(handle) -> Any:
 
 
 def barrier(process_set=global_process_set) -> None:
-    """Block until every rank arrives."""
-    check_process_set(process_set)
-    session.run(lambda: session.reducer().transport.barrier(), label="barrier")
+    """Block until every rank (of ``process_set``) arrives."""
+    from cgx.process_sets import reducer_of
+    g = resolve_process_set(process_set)
+    session.run(lambda: reducer_of(g).transport.barrier(), label="barrier")
 
 
 def join(device=-1) -> int:

@@ -43,7 +43,8 @@ from cgx.compression import Compression, as_compressor
 from cgx.errors import CGXError, CollectiveMismatchError
 from cgx.grad_plan import GradientPlan, GradMode  # noqa: F401 - GradMode: part of the API
 from cgx import session
-from cgx.collectives.functional import Average, Sum, check_process_set, global_process_set
+from cgx.collectives.functional import Average, Sum, group_size, resolve_process_set
+from cgx.process_sets import global_process_set, reducer_of
 
 STATE_FORMAT = 1
 FIRST_BUCKET_BYTES = 1 << 20  # small first bucket: its reduction starts early in backward
@@ -82,7 +83,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         groups: explicit buckets, a list of lists of parameters.
         sparse_as_dense: accepted for compatibility; sparse gradients are always
             made dense (so they can be compressed).
-        process_set: only the global process set is supported.
+        process_set: reduce over the ranks of this process set only (every rank of the
+            set wraps an optimizer with it; see ``cgx.process_sets``). ``join()`` covers
+            optimizers of the global set.
         rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
         sufficient_factors: the model, to exchange the weight gradients of its
             ``nn.Linear`` layers as sufficient factors (Poseidon) whenever that moves
@@ -106,7 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             f"{type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("this optimizer is already a DistributedOptimizer; wrap it once")
-        check_process_set(process_set)
+        self._group = resolve_process_set(process_set)
         if isinstance(backward_passes_per_step, bool) or not isinstance(
                 backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
@@ -202,7 +205,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._plan = GradientPlan([self._names[id(p)] for p in params],
                                   [tuple(p.shape) for p in params], self._compression,
                                   op=self._op, predivide=self._predivide,
-                                  rules=self._rules_source, config=cfg)
+                                  rules=self._rules_source, config=cfg,
+                                  group=getattr(self, "_group", None))
         if old_plan is not None:
             self._plan.load_state_dict(old_plan.state_dict())
         # Sufficient factors: hooks on the model's Linear layers; their weights leave the
@@ -375,10 +379,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _launch(self, b: int, zeros: bool = False, status: bool = True) -> None:
         if b == 0:
             self.timing = {"launch": [], "start": [], "end": []}
-            if status and runtime.size() > 1:
+            if status and group_size(self._group) > 1:
                 # One tiny collective per step lets ranks that called join() follow.
                 self._handles.append(session.submit(_status_exchange, self._registry_id,
-                                                    self._signature, label="step-status"))
+                                                    self._signature, self._group,
+                                                    label="step-status"))
         grads = []
         for i in self._buckets[b]:
             p = self._params[i]
@@ -428,7 +433,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if o is not g:
                     g.copy_(o.view_as(g))
 
-        red = session.reducer()
+        red = reducer_of(self._group)
         used = exchange(caps, weights, red.transport, self._bpps, self._op is Average, plain,
                         record=red.add_stats)
         self.sfb_used = {c.name: u for c, u in zip(caps, used)}
@@ -574,6 +579,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._user_groups is not None:
             self._user_groups = [[params[i] for i in g] for g in self._user_groups]
         self._registry_id = next(_registry_ids)
+        self._group = None  # a process set is not pickled: the copy reduces over all ranks
         # The model is not pickled with the optimizer: sufficient factors start off.
         self._sfb_model = None
         plan_state = self.__dict__.pop("_plan_state")
@@ -603,7 +609,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 _NEUTRAL = -(1 << 62)  # what a joined rank contributes to the layout digests
 
 
-def _status_exchange(opt_id: int, sig: "Signature | None" = None) -> int:
+def _status_exchange(opt_id: int, sig: "Signature | None" = None, group=None) -> int:
     """Per-step status collective: the largest optimizer id stepping now (0: everyone joined).
 
     It also checks, at no extra cost, that every stepping rank has the same bucket
@@ -611,7 +617,7 @@ def _status_exchange(opt_id: int, sig: "Signature | None" = None) -> int:
     rank, with no step of its own, adds neutral values). On a difference every
     rank raises the same :class:`CollectiveMismatchError`, naming what differs.
     """
-    tr = session.reducer().transport
+    tr = reducer_of(group).transport
     d = sig.digest() if sig is not None else None
     t = torch.tensor([opt_id, _NEUTRAL if d is None else d, _NEUTRAL if d is None else -d],
                      dtype=torch.int64, device=tr.device)

@@ -41,9 +41,9 @@ from cgx.tensorflow import (Average, Compression, Max, Min, Product, Sum, allgat
                             cross_size, init, is_initialized, local_rank, local_size, rank,
                             shutdown, size, stats, start_timeline, stop_timeline)
 from cgx.session import mpi_threads_supported
-from cgx.collectives.functional import ProcessSet, global_process_set
-from cgx.tensorflow.compat import (add_process_set, broadcast_global_variables, elastic,
-                                   reducescatter, remove_process_set)
+from cgx.process_sets import ProcessSet, global_process_set
+from cgx.session import add_process_set, remove_process_set
+from cgx.tensorflow.compat import broadcast_global_variables, elastic, reducescatter
 from cgx.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
                               is_homogeneous, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from cgx.tensorflow.keras import callbacks

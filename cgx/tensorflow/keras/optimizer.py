@@ -25,7 +25,9 @@ from cgx.comm.base import ReduceOp
 from cgx.compression import Compression
 from cgx.tensorflow.gradients import GradientExchange, check_gradient_args
 from cgx.tensorflow.keras._serialization import compression_from_config, compression_to_config
-from cgx.collectives.functional import Average, check_process_set, global_process_set
+from cgx.collectives.functional import Average
+from cgx.tensorflow.ops import resolve_process_set
+from cgx.process_sets import global_process_set
 from cgx.tensorflow.ops import tf_side_compressor
 
 
@@ -91,7 +93,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             raise TypeError(f"optimizer must be a Keras 3 optimizer (keras.optimizers.*), got "
                             f"{type(optimizer).__module__}.{type(optimizer).__name__}; tf_keras "
                             "(legacy Keras 2) optimizers are not supported")
-        check_process_set(process_set)
+        resolve_process_set(process_set)  # raises now if this rank may not use it
         check_gradient_args(op, gradient_predivide_factor, "DistributedOptimizer")
         if isinstance(backward_passes_per_step, bool) or not isinstance(
                 backward_passes_per_step, int) or backward_passes_per_step < 1:
@@ -111,8 +113,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._average_aggregated = average_aggregated_gradients
         # Plain copies: Keras's attribute tracking wraps containers assigned to it.
         self._rules = _plain(rules)
+        self._process_set = process_set
         self._exchange = GradientExchange(compression, op, gradient_predivide_factor,
-                                          _plain(rules), label=self.name)
+                                          _plain(rules), label=self.name,
+                                          process_set=process_set)
         # Set last: attribute reads fall through to the wrapped optimizer from here on.
         self.inner_optimizer = optimizer
 
@@ -225,7 +229,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         tf_side_compressor(compression)
         self._compression = compression
         self._exchange = GradientExchange(compression, self._op, self._predivide, self._rules,
-                                          label=self.name)
+                                          label=self.name, process_set=self._process_set)
 
     # -- serialization ----------------------------------------------------------------
 

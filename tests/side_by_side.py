@@ -1,0 +1,100 @@
+"""Rank programs run twice: under Horovod (horovodrun) and under cgx (cgxrun), the same code
+with only the import swapped; the tests compare the two reports value by value.
+
+    python tests/side_by_side.py horovod|cgx CASE
+
+Each case returns a JSON-able dict (results, and the type names of expected errors).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+
+from distutil import report
+
+
+def _err(fn):
+    """``fn()``'s result, or the name of the exception type it raised."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the type is what the tests compare
+        return type(e).__name__
+
+
+def case_process_sets(hvd) -> dict:
+    ps_a, ps_b = hvd.ProcessSet([2, 0]), hvd.ProcessSet([1, 2])
+    hvd.init(process_sets=[ps_a, ps_b])
+    r = hvd.rank()
+    out = {"ids": [ps_a.process_set_id, ps_b.process_set_id],
+           "sizes": [ps_a.size(), ps_b.size()], "included": [ps_a.included(), ps_b.included()],
+           "ranks": [ps_a.ranks, ps_b.ranks], "global_ranks": hvd.global_process_set.ranks,
+           "set_ranks": [_err(ps_a.rank), _err(ps_b.rank)]}
+    x = torch.arange(4.0) + 10 * r
+    if ps_a.included():
+        out["a_avg"] = hvd.allreduce(x, name="a", process_set=ps_a).tolist()
+        out["a_sum_int"] = hvd.allreduce(torch.tensor([r + 1, 3 * r], dtype=torch.int32),
+                                         name="ai", op=hvd.Sum, process_set=ps_a).tolist()
+        out["a_gather"] = hvd.allgather(torch.full((r + 1, 2), float(r)), name="ag",
+                                        process_set=ps_a).tolist()
+        out["a_bcast"] = hvd.broadcast(x, root_rank=2, name="ab", process_set=ps_a).tolist()
+        out["a_rs"] = hvd.reducescatter(torch.arange(6.0).view(3, 2) * (r + 1), name="ars",
+                                        op=hvd.Sum, process_set=ps_a).tolist()
+        out["a_a2a"] = hvd.alltoall(torch.arange(4.0) + 100 * r, name="aa",
+                                    process_set=ps_a).tolist()
+        out["a_grouped"] = [t.tolist() for t in hvd.grouped_allreduce(
+            [x, x * 2], name="agr", process_set=ps_a)]
+        out["a_obj"] = hvd.broadcast_object({"from": r}, root_rank=2, process_set=ps_a)
+        hvd.barrier(process_set=ps_a)
+    else:
+        out["a_err"] = _err(lambda: hvd.allreduce(x, name="a", process_set=ps_a))
+    if ps_b.included():
+        out["b_avg"] = hvd.allreduce(x, name="b", process_set=ps_b).tolist()
+    out["world"] = hvd.allreduce(x, name="w").tolist()
+    return out
+
+
+def case_process_sets_tf(hvd) -> dict:
+    import tensorflow as tf
+
+    ps = hvd.ProcessSet([0, 2])
+    hvd.init(process_sets=[ps])
+    r = hvd.rank()
+    out = {"included": ps.included(), "size_op": int(hvd.size_op(ps.process_set_id)),
+           "included_op": int(hvd.process_set_included_op(ps.process_set_id))}
+    x = tf.constant([1.0, 2.0]) * (r + 1)
+    if ps.included():
+        out["avg"] = hvd.allreduce(x, name="a", process_set=ps).numpy().tolist()
+        out["gather"] = hvd.allgather(tf.fill([r + 1], float(r)), name="g",
+                                      process_set=ps).numpy().tolist()
+        out["bcast"] = hvd.broadcast(x, root_rank=2, name="b", process_set=ps).numpy().tolist()
+        v = tf.Variable([float(r)])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v * x)
+        tape = hvd.DistributedGradientTape(tape, process_set=ps)
+        out["tape"] = tape.gradient(loss, [v])[0].numpy().tolist()
+    else:
+        out["err"] = _err(lambda: hvd.allreduce(x, name="a", process_set=ps))
+    out["world"] = hvd.allreduce(x, name="w").numpy().tolist()
+    return out
+
+
+CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
+
+
+def main() -> None:
+    impl, case = sys.argv[1], sys.argv[2]
+    if impl not in ("horovod", "cgx"):
+        sys.exit(f"usage: {sys.argv[0]} horovod|cgx CASE")
+    if case.endswith("_tf"):
+        hvd = importlib.import_module(f"{impl}.tensorflow")
+    else:
+        hvd = importlib.import_module(f"{impl}.torch")
+    report(CASES[case](hvd))
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
