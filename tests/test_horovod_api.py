@@ -71,7 +71,7 @@ HOROVOD_INTERNALS = {
 }
 # What cgx refuses, with a message that names what to use instead.
 REFUSED = {
-    "horovod.torch": ["SyncBatchNorm"],
+    "horovod.torch": [],
     "horovod.tensorflow": ["SyncBatchNormalization", "PartialDistributedGradientTape",
                            "broadcast_global_variables", "join"],
     "horovod.tensorflow.keras": ["broadcast_global_variables"],

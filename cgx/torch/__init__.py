@@ -38,9 +38,9 @@ from cgx.torch.ops import (allgather, allgather_async, allreduce, allreduce_, al
                            grouped_reducescatter, grouped_reducescatter_async, join, poll,
                            reducescatter, reducescatter_async, sparse_allreduce_async,
                            synchronize)
-from cgx.torch.compat import (HorovodInternalError, SyncBatchNorm, check_extension, compression,
-                              elastic)
+from cgx.torch.compat import HorovodInternalError, check_extension, compression, elastic
 from cgx.torch.optimizer import DistributedOptimizer
+from cgx.torch.sync_batch_norm import SyncBatchNorm
 from cgx.torch.tensorboard import StatsLogger
 
 

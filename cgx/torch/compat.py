@@ -30,17 +30,6 @@ def _refuse(what: str, instead: str):
     return fn
 
 
-class SyncBatchNorm:
-    """Not supported by cgx: use ``torch.nn.SyncBatchNorm`` (cgx.init() sets up
-    torch.distributed, which it needs)."""
-
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(
-            "hvd.SyncBatchNorm is not supported by cgx; use torch.nn.SyncBatchNorm (for "
-            "example torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)): cgx.init() has "
-            "initialized torch.distributed, which it runs on")
-
-
 elastic = types.ModuleType("cgx.torch.elastic", "Horovod elastic training: not supported.")
 for _name in ("run", "TorchState", "ObjectState", "State", "SamplerStateHandler",
               "ElasticSampler"):
