@@ -24,7 +24,7 @@ DTYPES = ["float32", "float64", "float16", "bfloat16", "int64", "int32", "int16"
           "uint8", "bool", "complex64"]
 OPS = ["Sum", "Average", "Min", "Max", "Product"]
 FORMS = ["allreduce", "allreduce_", "allreduce_async", "grouped_allreduce",
-         "grouped_allreduce_"]
+         "grouped_allreduce_", "reducescatter"]
 
 _tensor = st.fixed_dictionaries({
     "dtype": st.sampled_from(DTYPES),
@@ -61,9 +61,11 @@ def _fix(case: dict) -> dict:
     dts = [t["dtype"] for t in case["tensors"]]
     if any(d == "complex64" for d in dts) and case["op"] not in ("Sum", "Average"):
         case["op"] = "Sum"  # complex Min/Max/Product is refused with a ValueError
-    if case["form"] in ("allreduce", "allreduce_", "allreduce_async"):
+    if case["form"] in ("allreduce", "allreduce_", "allreduce_async", "reducescatter"):
         case["tensors"] = case["tensors"][:1]
-    if case["form"] != "allreduce" or case["op"] not in ("Sum", "Average") or \
+    if case["form"] == "reducescatter" and not case["tensors"][0]["shape"]:
+        case["tensors"][0]["shape"] = [5]  # rows to split
+    if case["form"] not in ("allreduce", "reducescatter") or case["op"] not in ("Sum", "Average") or \
             any(d not in ("float32", "float16", "bfloat16") for d in dts):
         case["compression"] = "none"  # compressors apply to float Sum/Average
     if case["compression"] != "none":
@@ -165,6 +167,8 @@ def _run_cases(rank, world, cases):
                 got = [t]
             elif form == "allreduce_async":
                 got = [hvd.synchronize(hvd.allreduce_async(mine[0], **kw))]
+            elif form == "reducescatter":
+                got = [hvd.reducescatter(mine[0], compression=comp[case["compression"]], **kw)]
             elif form == "grouped_allreduce":
                 got = hvd.grouped_allreduce(mine, **kw)
             else:
@@ -178,6 +182,11 @@ def _run_cases(rank, world, cases):
             inputs = [_value(t["dtype"], tuple(t["shape"]), case["seed"] + i, r)
                       for r in range(world)]
             want = _expected(inputs, case["op"], case["pre"], case["post"], world)
+            if form == "reducescatter":  # this rank's rows, Horovod's split
+                base, extra = divmod(want.shape[0], world)
+                start = rank * base + min(rank, extra)
+                want = want[start: start + base + (rank < extra)]
+                mine[i] = mine[i][start: start + base + (rank < extra)]
             if g.dtype != mine[i].dtype or tuple(g.shape) != tuple(mine[i].shape):
                 failures.append((k, f"tensor {i}: got {g.dtype}{tuple(g.shape)}, want "
                                     f"{mine[i].dtype}{tuple(mine[i].shape)}"))

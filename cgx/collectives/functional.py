@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from typing import Any
 
 import torch
 
 from cgx import process_sets, runtime, session
+from cgx.collectives import reduce_scatter
 from cgx.comm.base import ReduceOp
 from cgx.comm.consistency import agree, signature, tensor_fields
 from cgx.compression import CompressorKind, as_compressor
@@ -217,12 +219,34 @@ def alltoall_rows(tensor: torch.Tensor, splits, name: str = "alltoall", group=No
 
 
 def reducescatter_rows(tensor, op, pre, post, name, compression, group=None):
-    full = reduce_tensors([tensor], op, pre, post, name, compression, group)[0]
-    W, r = group_size(group), group_rank(group)
-    rows = full.shape[0]
-    base, extra = divmod(rows, W)
-    start = r * base + min(r, extra)
-    return full[start: start + base + (1 if r < extra else 0)].clone()
+    """This rank's rows of the reduction (Horovod's split of the first dimension).
+
+    Exact and quantized: a real reduce-scatter (``cgx.collectives.reduce_scatter``),
+    half an allreduce's traffic. Other compressors (casts, top-k, PowerSGD): their
+    allreduce, then this rank's rows.
+    """
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    comp = None if compression is None else as_compressor(compression)
+    if comp is not None and comp.kind is not CompressorKind.NONE and not (
+            comp.kind is CompressorKind.QUANTIZE and hasattr(comp, "bits")):
+        full = reduce_tensors([tensor], op, pre, post, name, compression, group)[0]
+        counts = reduce_scatter.split_rows(full.shape[0], group_size(group))
+        r = group_rank(group)
+        return full[sum(counts[:r]): sum(counts[:r + 1])].clone()
+    red = process_sets.reducer_of(group)
+    check("reducescatter", name, group, op=op, prescale_factor=pre, postscale_factor=post,
+          compression=comp, **tensor_fields([tensor]))
+    spec = QuantSpec(comp.bits, comp.bucket_size, comp.rounding) \
+        if comp is not None and comp.kind is CompressorKind.QUANTIZE else None
+    t0 = time.perf_counter()
+    cfg = red.config
+    out, sent = reduce_scatter.reduce_scatter(
+        _on_transport(tensor.detach(), group).contiguous(), red.transport, op, pre, post, spec,
+        name=name, seed=cfg.seed, step=red.calls, threads=cfg.cpu_threads)
+    red.calls += 1
+    reduce_scatter.record(red, tensor, sent, t0)
+    return out.to(tensor.device)
 
 
 def broadcast_tensors(tensors: list, root_rank: int, name: str = "broadcast",

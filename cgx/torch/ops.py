@@ -263,7 +263,9 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 
     Rows are split like Horovod: ``rows // size`` each, the first ``rows % size``
     ranks one more. The gradient is Horovod's: allgathered (divided by the
-    number of ranks for Average).
+    number of ranks for Average). A real reduce-scatter (half an allreduce's
+    traffic); with ``compression=Compression.quantize(...)`` the other ranks' rows
+    travel quantized (the first half of SRA).
     """
     g = resolve_process_set(process_set)
     op = resolve_op(op, None)
