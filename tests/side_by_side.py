@@ -56,6 +56,49 @@ def case_process_sets(hvd) -> dict:
     return out
 
 
+def case_sparse(hvd) -> dict:
+    """An embedding with sparse gradients trained by SparseAdam (sparse_as_dense=False), and
+    the same model densified (sparse_as_dense=True) with SGD."""
+    hvd.init()
+    r = hvd.rank()
+    out = {}
+    for dense in (False, True):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(12, 3, sparse=True)
+        inner = torch.optim.SGD(emb.parameters(), lr=0.5) if dense else \
+            torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+        opt = hvd.DistributedOptimizer(inner, named_parameters=emb.named_parameters(),
+                                       sparse_as_dense=dense)
+        for step in range(3):
+            opt.zero_grad()
+            ids = torch.tensor([(r * 5 + step * 3 + k) % 12 for k in range(4)])
+            (emb(ids) * torch.arange(1.0, 4.0)).sum().backward()
+            opt.step()
+        out["dense" if dense else "sparse"] = emb.weight.detach().tolist()
+        out["grad_is_sparse" if not dense else "dense_grad_is_sparse"] = emb.weight.grad.is_sparse
+    return out
+
+
+def case_sparse_tf(hvd) -> dict:
+    """IndexedSlices gradients through DistributedGradientTape, sparse and densified."""
+    import tensorflow as tf
+
+    hvd.init()
+    r = hvd.rank()
+    table = tf.Variable(tf.reshape(tf.range(24.0), (8, 3)))
+    out = {}
+    for dense in (False, True):
+        with tf.GradientTape() as tape:
+            rows = tf.gather(table, tf.constant([r, r + 2, 5]))
+            loss = tf.reduce_sum(rows * tf.constant([1.0, 2.0, 3.0]))
+        tape = hvd.DistributedGradientTape(tape, sparse_as_dense=dense)
+        (g,) = tape.gradient(loss, [table])
+        key = "dense" if dense else "sparse"
+        out[key + "_type"] = type(g).__name__
+        out[key] = tf.convert_to_tensor(g).numpy().tolist()
+    return out
+
+
 def case_process_sets_tf(hvd) -> dict:
     import tensorflow as tf
 

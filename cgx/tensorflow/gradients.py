@@ -32,7 +32,7 @@ from cgx.grad_plan import GradientPlan, unique_names
 from cgx.collectives.functional import Average, Sum, group_size
 from cgx.process_sets import global_process_set
 from cgx.collectives.reducer import ReduceStats
-from cgx.tensorflow.ops import resolve_process_set, tf_side_compressor
+from cgx.tensorflow.ops import allreduce, resolve_process_set, tf_side_compressor
 
 _labels = itertools.count()
 
@@ -77,11 +77,15 @@ class GradientExchange:
         label: names the collective (timeline, stochastic-rounding key); the
             same on every rank.
         process_set: reduce over the ranks of this process set only.
+        sparse_as_dense: False: ``tf.IndexedSlices`` gradients travel as Horovod's sparse
+            allreduce (values and indices all-gathered, uncompressed) and stay
+            IndexedSlices; True: they are made dense and reduced with the others.
     """
 
     def __init__(self, compression=Compression.none, op=Average,
                  gradient_predivide_factor: float = 1.0, rules=None,
-                 label: Optional[str] = None, process_set=global_process_set):
+                 label: Optional[str] = None, process_set=global_process_set,
+                 sparse_as_dense: bool = False):
         check_gradient_args(op, gradient_predivide_factor, "gradient reduction")
         self._user = tf_side_compressor(compression)
         self.compression = Compression.exact if self._user is not None else compression
@@ -89,6 +93,8 @@ class GradientExchange:
         self.predivide = float(gradient_predivide_factor)
         self.rules = rules
         self.group = resolve_process_set(process_set)
+        self.process_set = process_set
+        self.sparse_as_dense = bool(sparse_as_dense)
         self.label = label or f"grads{next(_labels)}"
         self._plans: dict = {}
         self._lock = threading.Lock()
@@ -132,12 +138,26 @@ class GradientExchange:
                              "this process. Drop the strategy and start one process per device")
         if names is None:
             names = [variable_name(v) for v in variables]
-        dense = [None if g is None else
+        if group_size(self.group) == 1:  # Average and Sum over one rank change nothing
+            return [g if g is None or not isinstance(g, tf.IndexedSlices) or
+                    not self.sparse_as_dense else tf.convert_to_tensor(g) for g in grads]
+        sparse = {i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)} \
+            if not self.sparse_as_dense else set()
+        dense = [None if g is None or i in sparse else
                  tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                 for g in grads]
+                 for i, g in enumerate(grads)]
+        out = self._reduce_dense(dense, variables, names, step)
+        for i in sorted(sparse):  # after the dense exchange, in variable order
+            out[i] = allreduce(grads[i], op=self.op, prescale_factor=1.0 / self.predivide,
+                               postscale_factor=self.predivide,
+                               name=f"{self.label}.sparse.{names[i] or i}",
+                               process_set=self.process_set)
+        return out
+
+    def _reduce_dense(self, dense, variables, names, step) -> list:
         keep = [i for i, g in enumerate(dense) if g is not None]
-        if not keep or group_size(self.group) == 1:
-            return dense  # Average and Sum over one rank change nothing
+        if not keep:
+            return dense
         if self._user is not None:
             pairs = {i: self._user.compress(dense[i]) for i in keep}
             payloads = list(dense)
@@ -194,15 +214,16 @@ _exchanges: dict = {}
 _exchanges_lock = threading.Lock()
 
 
-def _shared_exchange(compression, op, predivide, rules,
-                     process_set=global_process_set) -> GradientExchange:
+def _shared_exchange(compression, op, predivide, rules, process_set=global_process_set,
+                     sparse_as_dense: bool = False) -> GradientExchange:
     key = (repr(compression), op, float(predivide), repr(rules),
-           getattr(process_set, "process_set_id", 0))
+           getattr(process_set, "process_set_id", 0), bool(sparse_as_dense))
     with _exchanges_lock:
         ex = _exchanges.get(key)
         if ex is None:
             ex = GradientExchange(compression, op, predivide, rules,
-                                  label=f"tape{len(_exchanges)}", process_set=process_set)
+                                  label=f"tape{len(_exchanges)}", process_set=process_set,
+                                  sparse_as_dense=sparse_as_dense)
             _exchanges[key] = ex
         return ex
 
@@ -220,8 +241,9 @@ class DistributedGradientTape:
             4-bit quantization per variable with ``CGX_*`` defaults),
             ``Compression.exact``, ``fp16``, ``bf16``, ``quantize(...)``,
             ``topk(...)``, ``powersgd(...)``, or a Horovod-style TF compressor.
-        sparse_as_dense: accepted for compatibility; ``tf.IndexedSlices``
-            gradients are always made dense (so they can be compressed).
+        sparse_as_dense: False (Horovod's default): ``tf.IndexedSlices`` gradients
+            (embeddings) stay IndexedSlices, their values and indices all-gathered
+            uncompressed; True: made dense and compressed with the others.
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: with Average, divide by this before the sum
             and by ``size / factor`` after.
@@ -253,7 +275,7 @@ class DistributedGradientTape:
         self._tape = gradtape
         self._names = _named(named_variables)
         self._exchange = _shared_exchange(compression, op, gradient_predivide_factor, rules,
-                                          process_set)
+                                          process_set, sparse_as_dense)
         self.sparse_as_dense = sparse_as_dense
 
     @property

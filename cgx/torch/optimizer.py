@@ -81,8 +81,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             sum and by ``size / factor`` after (guards low-precision overflow).
         num_groups: cut the parameters into this many buckets (0: by size).
         groups: explicit buckets, a list of lists of parameters.
-        sparse_as_dense: accepted for compatibility; sparse gradients are always
-            made dense (so they can be compressed).
+        sparse_as_dense: False (default, Horovod's): sparse gradients (e.g. of
+            ``nn.Embedding(sparse=True)``) stay sparse: every rank's indices and values
+            are all-gathered, uncompressed, and ``p.grad`` becomes the (uncoalesced)
+            sparse average, so ``torch.optim.SparseAdam`` works. True: they are made
+            dense and travel with the other gradients (compressed).
         process_set: reduce over the ranks of this process set only (every rank of the
             set wraps an optimizer with it; see ``cgx.process_sets``). ``join()`` covers
             optimizers of the global set.
@@ -199,6 +202,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._names[id(p)] = f"allreduce.noname.{len(self._names)}"
         self._params = params
         self._index = {id(p): i for i, p in enumerate(params)}
+        # Parameters whose gradients came sparse (sparse_as_dense=False): they travel as
+        # Horovod's sparse allreduce; a joined rank sends empty ones for them.
+        self._sparse_ids = getattr(self, "_sparse_ids", set())
         # The plan maps `compression` to a mode, per-layer specs and residuals
         # (shared with the TensorFlow adapter); its state survives a rebuild.
         old_plan = getattr(self, "_plan", None)
@@ -333,6 +339,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return buckets
 
     def _reset_step_state(self) -> None:
+        self._sparse_out: dict = {}  # sparse gradients reduced this step, by index
         self._counts = [0] * len(self._params)
         self._ready = [0] * len(self._buckets)
         self._next = 0
@@ -384,9 +391,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._handles.append(session.submit(_status_exchange, self._registry_id,
                                                     self._signature, self._group,
                                                     label="step-status"))
-        grads = []
+        grads, dense_idx = [], []
         for i in self._buckets[b]:
             p = self._params[i]
+            if not zeros and p.grad is not None and p.grad.is_sparse and \
+                    not self._sparse_as_dense:
+                self._sparse_ids.add(id(p))
+            if id(p) in self._sparse_ids and (zeros or (p.grad is not None and
+                                                        p.grad.is_sparse)):
+                # Horovod's sparse path: every rank's (indices, values) gathered, no densifying.
+                g = p.grad if not zeros else torch.sparse_coo_tensor(
+                    torch.zeros((p.dim(), 0), dtype=torch.int64), torch.zeros((0,) + tuple(
+                        p.shape[1:]), dtype=p.dtype), p.shape).to(p.device)
+                self._handles.append(session.submit(self._reduce_sparse, i, g, zeros,
+                                                    label=f"opt{self._registry_id}.sparse{i}"))
+                continue
             if zeros or p.grad is None:
                 g = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 if not zeros:
@@ -396,6 +415,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = p.grad.to_dense()
                 g = p.grad
             grads.append(g)
+            dense_idx.append(i)
+        if not grads:
+            return
         event = None
         if grads and grads[0].is_cuda:
             # The engine thread must see the gradients the backward stream produced.
@@ -403,20 +425,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
             event.record()
         self.timing["launch"].append(time.perf_counter())
         self._handles.append(session.submit(self._reduce_bucket, b, grads, event, zeros,
+                                            dense_idx,
                                             label=f"opt{self._registry_id}.bucket{b}"))
 
     # -- the reduction of one bucket (engine thread) -----------------------------------
 
-    def _reduce_bucket(self, b: int, grads: list, event, shadow: bool) -> None:
+    def _reduce_bucket(self, b: int, grads: list, event, shadow: bool, indices: list) -> None:
         self.timing["start"].append(time.perf_counter())
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
         outs = self._plan.reduce(grads, name=f"opt{self._registry_id}.bucket{b}",
-                                 step=self._step_count, indices=self._buckets[b], shadow=shadow)
+                                 step=self._step_count, indices=indices, shadow=shadow)
         for g, o in zip(grads, outs):
             if o is not g:
                 g.copy_(o.view_as(g))
         self.timing["end"].append(time.perf_counter())
+
+    def _reduce_sparse(self, i: int, grad: torch.Tensor, shadow: bool) -> None:
+        """Engine thread: Horovod's sparse allreduce of one gradient (indices and values
+        allgathered; values divided by the number of ranks for Average)."""
+        from cgx.collectives.functional import allgather_rows
+        g = grad.coalesce()
+        name = f"opt{self._registry_id}.sparse.{self._names[id(self._params[i])]}"
+        idx = allgather_rows(g.indices().t().contiguous(), name + ".indices", self._group)
+        vals = allgather_rows(g.values().contiguous(), name + ".values", self._group)
+        if self._op is Average:
+            vals = vals / group_size(self._group)
+        if not shadow:
+            self._sparse_out[i] = torch.sparse_coo_tensor(idx.t(), vals, g.shape)
 
     def _exchange_factors(self) -> None:
         """Engine thread: the sufficient-factor layers' weight gradients (every rank, in order)."""
@@ -483,6 +519,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         try:
             for h in handles:
                 h.wait(session.wait_timeout())
+            for i, g in self._sparse_out.items():
+                self._params[i].grad = g
         finally:
             self._reset_step_state()
             if self._capture is not None:

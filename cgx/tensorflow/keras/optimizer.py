@@ -46,8 +46,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             rules on variable paths such as ``"sequential/dense/kernel"``),
             ``Compression.exact``, ``fp16``, ``bf16``, ``quantize(...)``,
             ``topk(...)``, ``powersgd(...)``, or a Horovod-style TF compressor.
-        sparse_as_dense: accepted for compatibility; sparse gradients are always
-            made dense (so they can be compressed).
+        sparse_as_dense: False (Horovod's default): ``tf.IndexedSlices`` gradients stay
+            sparse (values and indices all-gathered, uncompressed); True: made dense
+            and compressed with the others. With ``backward_passes_per_step > 1``
+            they are always made dense (accumulated in dense variables).
         gradient_predivide_factor: with Average, divide by this before the sum
             and by ``size / factor`` after.
         op: ``Average`` (default) or ``Sum``.
@@ -116,7 +118,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._process_set = process_set
         self._exchange = GradientExchange(compression, op, gradient_predivide_factor,
                                           _plain(rules), label=self.name,
-                                          process_set=process_set)
+                                          process_set=process_set,
+                                          sparse_as_dense=self._dense_sparse())
         # Set last: attribute reads fall through to the wrapped optimizer from here on.
         self.inner_optimizer = optimizer
 
@@ -219,6 +222,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         tf.cond(tf.convert_to_tensor(self._pending) >= self._bpps, exchange_and_apply,
                 count_only)
 
+    def _dense_sparse(self) -> bool:
+        return self._sparse_as_dense or self._bpps > 1
+
     def compression_plan(self) -> list[dict]:
         """Per variable: layer, shape, family, level, bytes, error and share of the error
         budget of the current plan (``compression="auto"``; see ``cgx.adaptive.format_plan``)."""
@@ -229,7 +235,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         tf_side_compressor(compression)
         self._compression = compression
         self._exchange = GradientExchange(compression, self._op, self._predivide, self._rules,
-                                          label=self.name, process_set=self._process_set)
+                                          label=self.name, process_set=self._process_set,
+                                          sparse_as_dense=self._dense_sparse())
 
     # -- serialization ----------------------------------------------------------------
 
