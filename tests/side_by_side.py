@@ -99,6 +99,34 @@ def case_sparse_tf(hvd) -> dict:
     return out
 
 
+def case_partial_tf(hvd) -> dict:
+    """register_local_source: a shared variable averaged, a local one kept per rank (divided
+    by the number of ranks, Horovod's scale_local_gradients). tf.Variables: Horovod 0.28.1's
+    PartialDistributedGradientTape cannot take Keras 3 layers (their variables lack .ref())."""
+    import tensorflow as tf
+
+    hvd.init()
+    r = hvd.rank()
+    shared = tf.Variable([[1.0, -1.0], [0.5, 2.0], [0.0, 1.0]])
+    local = tf.Variable([[1.0 + r], [2.0]])
+    x = tf.constant([[1.0, 2.0, 3.0]]) * (r + 1)
+    out = {}
+    for scale in (True, False):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.matmul(tf.matmul(x, shared), local))
+        tape = hvd.DistributedGradientTape(tape, scale_local_gradients=scale)
+        tape.register_local_source(local)
+        grads = tape.gradient(loss, [shared, local])
+        out[f"grads_{scale}"] = [g.numpy().tolist() for g in grads]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.matmul(tf.matmul(x, shared), local))
+    tape = hvd.DistributedGradientTape(tape)
+    tape.register_local_source(local)
+    loc, glob = tape.get_local_and_global_gradients(loss, [shared, local])
+    out["split"] = [len(loc), len(glob)]
+    return out
+
+
 def case_process_sets_tf(hvd) -> dict:
     import tensorflow as tf
 

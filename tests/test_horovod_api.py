@@ -72,8 +72,7 @@ HOROVOD_INTERNALS = {
 # What cgx refuses, with a message that names what to use instead.
 REFUSED = {
     "horovod.torch": [],
-    "horovod.tensorflow": ["SyncBatchNormalization", "PartialDistributedGradientTape",
-                           "broadcast_global_variables", "join"],
+    "horovod.tensorflow": ["SyncBatchNormalization", "broadcast_global_variables", "join"],
     "horovod.tensorflow.keras": ["broadcast_global_variables"],
 }
 CGX = {"horovod.torch": "cgx.torch", "horovod.tensorflow": "cgx.tensorflow",

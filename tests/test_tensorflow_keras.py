@@ -233,7 +233,9 @@ def test_optimizer_pickles_and_delegates():
         opt._private
 
     import cgx.tensorflow
-    assert cgx.tensorflow.DistributedOptimizer is hvd.DistributedOptimizer  # Horovod's alias
+    # horovod.tensorflow's DistributedOptimizer: the Keras one, under its own signature.
+    wrapped = cgx.tensorflow.DistributedOptimizer(keras.optimizers.SGD(0.1), None, False)
+    assert isinstance(wrapped, hvd.DistributedOptimizer)
 
     class Subclassed(hvd.DistributedOptimizer):  # a real class: subclassing works
         pass

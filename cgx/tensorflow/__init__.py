@@ -75,8 +75,8 @@ from cgx.tensorflow.compression import Compression
 from cgx.config import Config, Rounding
 from cgx.tensorflow._bridge import XLAUnsupportedError
 from cgx.tensorflow.gradients import DistributedGradientTape
-from cgx.tensorflow.compat import (HorovodInternalError, PartialDistributedGradientTape,
-                                   SyncBatchNormalization, broadcast_,
+from cgx.tensorflow.gradients import PartialDistributedGradientTape
+from cgx.tensorflow.compat import (HorovodInternalError, SyncBatchNormalization, broadcast_,
                                    broadcast_global_variables, broadcast_object_fn,
                                    check_extension, elastic, gpu_available, grouped_allgather,
                                    grouped_reducescatter, join, local_rank_op, local_size_op,
@@ -96,12 +96,35 @@ stop_timeline = _session.stop_timeline
 
 
 
+def _tf_distributed_optimizer(optimizer, name=None, use_locking=False, device_dense="",
+                              device_sparse="", compression=Compression.none,
+                              sparse_as_dense=False, backward_passes_per_step=1, op=Average,
+                              gradient_predivide_factor=1.0,
+                              average_aggregated_gradients=False, num_groups=0, groups=None,
+                              process_set=global_process_set, scale_local_gradients=True,
+                              **kwargs):
+    """``horovod.tensorflow.DistributedOptimizer``: the Keras ``DistributedOptimizer`` under
+    ``horovod.tensorflow``'s signature (TF1 optimizers do not exist in TensorFlow 2.21;
+    ``use_locking`` is accepted for compatibility)."""
+    from cgx.tensorflow.keras import DistributedOptimizer
+    return DistributedOptimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse,
+        compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
+        **kwargs)
+
+
+_tf_distributed_optimizer.__name__ = "DistributedOptimizer"
+
+
 def __getattr__(name):
     # horovod.tensorflow.DistributedOptimizer wraps Keras optimizers too; loading
     # Keras costs seconds, so only on first use.
     if name == "DistributedOptimizer":
-        from cgx.tensorflow.keras import DistributedOptimizer
-        return DistributedOptimizer
+        return _tf_distributed_optimizer
     raise AttributeError(f"module 'cgx.tensorflow' has no attribute {name!r}")
 
 

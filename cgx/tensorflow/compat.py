@@ -114,7 +114,8 @@ def grouped_reducescatter(tensors, device_dense="", compression=None, op=Average
                           postscale_factor=postscale_factor) for i, t in enumerate(tensors)]
 
 
-def grouped_allgather(tensors, name=None, process_set=global_process_set):
+def grouped_allgather(tensors, name=None, ignore_name_scope=False,
+                      process_set=global_process_set):
     from cgx.tensorflow.ops import allgather
     name = op_name(name, "grouped_allgather", resolve_process_set(process_set))
     return [allgather(t, name=f"{name}.{i}", process_set=process_set)
@@ -128,9 +129,6 @@ broadcast_global_variables = _refuse(
 join = _refuse("hvd.join() for TensorFlow", "join() covers the torch DistributedOptimizer; "
                "give every rank the same number of batches (e.g. repeat() and a fixed "
                "steps_per_epoch)")
-PartialDistributedGradientTape = _refuse(
-    "PartialDistributedGradientTape", "reduce the shared variables' gradients with "
-    "DistributedGradientTape and apply the local layers' gradients from a plain tape")
 
 
 class SyncBatchNormalization:

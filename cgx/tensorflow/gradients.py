@@ -117,7 +117,7 @@ class GradientExchange:
 
     @tf.autograph.experimental.do_not_convert
     def __call__(self, grads: Sequence, variables: Sequence, names: Optional[Sequence] = None,
-                 step=None) -> list:
+                 step=None, local=frozenset(), scale_local: bool = True) -> list:
         """The reduced ``grads`` (None stays None), eagerly or as graph ops.
 
         Args:
@@ -126,6 +126,8 @@ class GradientExchange:
             names: one name per variable (default: :func:`variable_name`).
             step: optional int tensor, the stochastic-rounding step (an
                 optimizer's ``iterations``, so that it survives checkpoints).
+            local: ids of rank-local variables: their gradients are not reduced, only
+                divided by the number of ranks if ``scale_local`` (Horovod's rule).
         """
         grads = list(grads)
         if len(grads) != len(variables):
@@ -138,6 +140,23 @@ class GradientExchange:
                              "this process. Drop the strategy and start one process per device")
         if names is None:
             names = [variable_name(v) for v in variables]
+        if local:
+            mine = [i for i, v in enumerate(variables) if id(v) in local]
+            if mine:
+                rest = [i for i in range(len(grads)) if id(variables[i]) not in local]
+                out = [None] * len(grads)
+                reduced = self([grads[i] for i in rest], [variables[i] for i in rest],
+                               [names[i] for i in rest], step)
+                for i, g in zip(rest, reduced):
+                    out[i] = g
+                size = group_size(self.group)
+                for i in mine:
+                    g = grads[i]
+                    if g is not None and scale_local and size > 1:
+                        g = tf.IndexedSlices(g.values / size, g.indices, g.dense_shape) \
+                            if isinstance(g, tf.IndexedSlices) else g / size
+                    out[i] = g
+                return out
         if group_size(self.group) == 1:  # Average and Sum over one rank change nothing
             return [g if g is None or not isinstance(g, tf.IndexedSlices) or
                     not self.sparse_as_dense else tf.convert_to_tensor(g) for g in grads]
@@ -247,6 +266,11 @@ class DistributedGradientTape:
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: with Average, divide by this before the sum
             and by ``size / factor`` after.
+        num_groups, groups: accepted for compatibility (a tape exchanges all its
+            gradients together).
+        process_set: reduce over the ranks of this process set only.
+        scale_local_gradients: divide the gradients of sources registered with
+            :meth:`register_local_source` by the number of ranks (Horovod's default).
         named_variables: optional ``(name, variable)`` pairs (or a dict name ->
             variable) naming the sources for layer rules; by default a Keras
             variable's ``path`` or a tf.Variable's name.
@@ -261,11 +285,11 @@ class DistributedGradientTape:
         opt.apply_gradients(zip(grads, model.trainable_variables))
     """
 
-    def __init__(self, gradtape, compression=Compression.none, sparse_as_dense: bool = False,
-                 op=Average, gradient_predivide_factor: float = 1.0, named_variables=None, *,
-                 rules=None, device_dense: str = "", device_sparse: str = "",
-                 process_set=global_process_set, num_groups: int = 0, groups=None,
-                 scale_local_gradients: bool = True):
+    def __init__(self, gradtape, device_dense: str = "", device_sparse: str = "",
+                 compression=Compression.none, sparse_as_dense: bool = False, op=Average,
+                 gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                 process_set=global_process_set, scale_local_gradients: bool = True, *,
+                 named_variables=None, rules=None):
         if isinstance(gradtape, DistributedGradientTape):
             raise ValueError("this tape is already a DistributedGradientTape; wrap it once")
         if not isinstance(gradtape, tf.GradientTape):
@@ -277,6 +301,22 @@ class DistributedGradientTape:
         self._exchange = _shared_exchange(compression, op, gradient_predivide_factor, rules,
                                           process_set, sparse_as_dense)
         self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self.scale_local_gradients = bool(scale_local_gradients)
+        self._local_sources: set = set()  # ids of rank-local sources
+
+    def register_local_source(self, source) -> None:
+        """Keep ``source``'s gradient on this rank (model-parallel layers): not reduced, only
+        divided by the number of ranks when ``scale_local_gradients`` (Horovod's rule)."""
+        self._local_sources.add(id(source))
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None,
+                                       use_generic_names=False):
+        """``gradient()``, split into ([(local source, grad)], [(global source, grad)])."""
+        grads = self.gradient(target, sources, output_gradients=output_gradients)
+        pairs = list(zip(sources, grads))
+        return ([(s, g) for s, g in pairs if id(s) in self._local_sources],
+                [(s, g) for s, g in pairs if id(s) not in self._local_sources])
 
     @property
     def tape(self) -> tf.GradientTape:
@@ -285,14 +325,15 @@ class DistributedGradientTape:
 
     @tf.autograph.experimental.do_not_convert
     def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+                 unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
         """``tape.gradient(...)``, then averaged (or summed) over all ranks."""
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,
                                     unconnected_gradients=unconnected_gradients)
         flat_sources = tf.nest.flatten(sources, expand_composites=False)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
         names = [self._names.get(id(s)) or variable_name(s) for s in flat_sources]
-        reduced = self._exchange(flat_grads, flat_sources, names)
+        reduced = self._exchange(flat_grads, flat_sources, names, local=self._local_sources,
+                                 scale_local=self.scale_local_gradients)
         return tf.nest.pack_sequence_as(grads, reduced, expand_composites=False)
 
     def __enter__(self):
@@ -320,3 +361,31 @@ def _named(named_variables) -> dict:
                              f"name -> variable, got an item {item!r}")
         out[id(item[1])] = item[0]
     return out
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
+                                   compression=Compression.none, sparse_as_dense=False,
+                                   op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                                   groups=None, process_set=global_process_set,
+                                   local_layers=None, scale_local_gradients=True):
+    """A :class:`DistributedGradientTape` that leaves the gradients of ``local_layers``
+    (Keras layers whose weights differ per rank, e.g. model-parallel parts) on this rank.
+
+    Example::
+
+        tape = hvd.PartialDistributedGradientTape(tape, local_layers=[expert])
+    """
+    import keras
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
+                                   sparse_as_dense, op, gradient_predivide_factor, num_groups,
+                                   groups, process_set, scale_local_gradients)
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            tape.register_local_source(var)
+    return tape

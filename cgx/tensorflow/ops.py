@@ -144,7 +144,8 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
 @_no_autograph
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                       compression=Compression.none, op=None, prescale_factor=1.0,
-                      postscale_factor=1.0, process_set=global_process_set, name=None):
+                      postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False, name=None):
     """Fused allreduce of a list of tensors (one collective for all); returns a list."""
     g = resolve_process_set(process_set)
     op = resolve_op(op, average)

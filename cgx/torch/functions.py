@@ -76,7 +76,7 @@ def _join_tensors(tree, tensors: list):
     return tree
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int) -> None:
+def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     """Make every rank's optimizer state (and hyperparameters) equal to ``root_rank``'s.
 
     The structure travels pickled; the tensors (moments, step counters) travel
@@ -89,6 +89,9 @@ def broadcast_optimizer_state(optimizer, root_rank: int) -> None:
     resumes with rank 0's residuals on rank 0 and the others' current ones
     (zeros in a fresh process). For a bit-exact resume with error feedback,
     save ``optimizer.state_dict()`` on every rank and load each rank's own.
+
+    ``model`` (Horovod's argument, used there to create missing state) is not needed:
+    parameters without state are handled from the structure itself.
     """
     if runtime.size() == 1:
         return

@@ -43,7 +43,7 @@ from cgx.tensorflow import (Average, Compression, Max, Min, Product, Sum, allgat
 from cgx.session import mpi_threads_supported
 from cgx.process_sets import ProcessSet, global_process_set
 from cgx.session import add_process_set, remove_process_set
-from cgx.tensorflow.compat import broadcast_global_variables, elastic, reducescatter
+from cgx.tensorflow.compat import broadcast_global_variables, elastic
 from cgx.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
                               is_homogeneous, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from cgx.tensorflow.keras import callbacks
@@ -76,8 +76,15 @@ def broadcast(value, root_rank, name=None):
     return _eval(_tfa.broadcast(tf.convert_to_tensor(value), root_rank, name=name))
 
 
+def reducescatter(value, name=None, op=Average):
+    """Reduce a value over ranks and keep this rank's rows of dim 0; returns a NumPy array."""
+    import tensorflow as tf
+    from cgx.tensorflow.compat import reducescatter as _reducescatter
+    return _eval(_reducescatter(tf.convert_to_tensor(value), name=name, op=op))
+
+
 def load_model(filepath, custom_optimizers=None, custom_objects=None,
-               compression=Compression.none):
+               compression=Compression.none, legacy_opts=False):
     """Load a saved Keras model whose optimizer then exchanges gradients through cgx.
 
     A model saved with a :class:`DistributedOptimizer` comes back with it; a
@@ -91,7 +98,11 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
         custom_objects: other custom classes and functions, as for
             ``keras.models.load_model``.
         compression: see :class:`DistributedOptimizer`.
+        legacy_opts: Horovod's switch for Keras 2's legacy optimizers; Keras 3 has none.
     """
+    if legacy_opts:
+        raise ValueError("legacy_opts=True asks for Keras 2's legacy optimizers, which Keras 3 "
+                         "does not have; load with legacy_opts=False")
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         objects[cls.__name__] = cls

@@ -51,6 +51,11 @@ def _innermost(optimizer):
     return optimizer
 
 
+def _is_variable(v) -> bool:
+    import tensorflow as tf
+    return isinstance(v, (tf.Variable, keras.Variable))
+
+
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Broadcast the model's variables and the optimizer's state from ``root_rank``.
 
@@ -62,16 +67,32 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     Args:
         root_rank: the rank whose values every rank takes.
         device: accepted for compatibility, ignored.
+        local_variables: variables (or one) that stay per rank, e.g. of model-parallel
+            layers: not broadcast (Horovod's argument).
     """
 
-    def __init__(self, root_rank: int = 0, device: str = ""):
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
         self.root_rank = _check_int(root_rank, "root_rank", 0)
         self.broadcast_done = False
+        self._local_vars: set = set()
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        elif not all(_is_variable(v) for v in local_variables):
+            raise ValueError("All local variables must be of tf.Variable type.")
+        for var in local_variables:
+            self.register_local_var(var)
+
+    def register_local_var(self, var) -> None:
+        """Leave ``var`` out of the broadcast (it differs per rank on purpose)."""
+        self._local_vars.add(id(var))
 
     def _broadcast(self) -> None:
         variables = [v for v in self.model.variables
-                     if not str(getattr(v, "path", "")).endswith(_RNG_STATE_SUFFIX)]
+                     if not str(getattr(v, "path", "")).endswith(_RNG_STATE_SUFFIX)
+                     and id(v) not in self._local_vars]
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and optimizer.built:
             # Gradient accumulators hold this rank's own partial sums: never copied.
@@ -330,8 +351,9 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
         save_weights_only: save weights only.
     """
 
-    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto",
-                 save_freq="epoch", *, filepath=None, save_weights_only: bool = False):
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0,
+                 save_weights_only: bool = False, mode: str = "auto", save_freq="epoch", *,
+                 filepath=None):
         if filepath is None:
             raise ValueError("BestModelCheckpoint needs filepath=, e.g. "
                              "BestModelCheckpoint(monitor='val_loss', filepath='best.keras')")

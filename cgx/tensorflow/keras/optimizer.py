@@ -57,6 +57,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             before one exchange and one update.
         average_aggregated_gradients: divide those summed gradients by
             ``backward_passes_per_step``.
+        num_groups, groups: accepted for compatibility (the Keras path exchanges all
+            gradients of a step together).
+        scale_local_gradients: divide the gradients of variables registered with
+            :meth:`register_local_var` by the number of ranks (Horovod's default).
         rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
 
     Example::
@@ -83,12 +87,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                                                                _no_loss_scale=True, **kwargs))
         return super().__new__(cls)
 
-    def __init__(self, optimizer, name=None, compression=Compression.none,
-                 sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
-                 op=Average, backward_passes_per_step: int = 1,
-                 average_aggregated_gradients: bool = False, *, rules=None,
-                 device_dense: str = "", device_sparse: str = "",
-                 process_set=global_process_set, _no_loss_scale: bool = False):
+    def __init__(self, optimizer, name=None, device_dense: str = "", device_sparse: str = "",
+                 compression=Compression.none, sparse_as_dense: bool = False,
+                 gradient_predivide_factor: float = 1.0, op=Average,
+                 backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
+                 num_groups: int = 0, groups=None, process_set=global_process_set,
+                 scale_local_gradients: bool = True, *, rules=None,
+                 _no_loss_scale: bool = False):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("this optimizer is already a DistributedOptimizer; wrap it once")
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -116,6 +121,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         # Plain copies: Keras's attribute tracking wraps containers assigned to it.
         self._rules = _plain(rules)
         self._process_set = process_set
+        self._scale_local = bool(scale_local_gradients)
+        self._local_vars: set = set()  # ids of variables registered as rank-local
         self._exchange = GradientExchange(compression, op, gradient_predivide_factor,
                                           _plain(rules), label=self.name,
                                           process_set=process_set,
@@ -194,7 +201,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self._accumulate(grads, trainable_variables)
 
     def _reduce(self, grads, variables):
-        return self._exchange(grads, variables, step=self.inner_optimizer.iterations)
+        return self._exchange(grads, variables, step=self.inner_optimizer.iterations,
+                              local=self._local_vars, scale_local=self._scale_local)
+
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient on this rank (model-parallel layers): it is not reduced,
+        only divided by the number of ranks when ``scale_local_gradients`` (Horovod's)."""
+        self._local_vars.add(id(var))
 
     def _accumulate(self, grads, variables):
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
