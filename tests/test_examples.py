@@ -1,0 +1,77 @@
+"""Every example runs (small settings) under cgxrun on 2 ranks, and Horovod's own examples
+(examples/horovod/, the import swapped) behave as they do under Horovod: the PyTorch
+synthetic benchmark runs unchanged under horovodrun once the import is swapped back."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from distutil import run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+ROOT = Path(__file__).resolve().parent.parent
+EX = ROOT / "examples"
+SMALL_BENCH = ["--no-cuda", "--batch-size", "4", "--image-size", "32",
+               "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "2"]
+
+
+def _run(path, args=(), launcher="cgxrun-gloo", timeout=400):
+    run = run_ranks(path=str(path), nprocs=2, launcher=launcher, args=list(args),
+                    timeout=timeout)
+    assert run.returncode == 0 and not run.timed_out, run.tail()
+    return run.stdout
+
+
+def _accuracy(out: str) -> float:
+    found = re.findall(r"test accuracy ([\d.]+)%", out)
+    assert found, out[-2000:]
+    return float(found[-1])
+
+
+def test_demo():
+    out = _run(EX / "demo.py")
+    assert out.strip(), "make demo printed nothing"
+
+
+@pytest.mark.parametrize("script,args", [
+    ("pytorch_horovod_style.py", ["--epochs", "3"]),
+    ("pytorch_ddp_hook.py", []),
+    ("keras_digits.py", ["--epochs", "3"]),
+])
+def test_digits_examples_learn(script, args):
+    assert _accuracy(_run(EX / script, args)) > 80.0
+
+
+def test_horovod_pytorch_synthetic_benchmark():
+    out = _run(EX / "horovod" / "pytorch_synthetic_benchmark.py", SMALL_BENCH)
+    assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+", out), out[-2000:]
+
+
+def test_horovod_tensorflow2_synthetic_benchmark():
+    out = _run(EX / "horovod" / "tensorflow2_synthetic_benchmark.py",
+               SMALL_BENCH + ["--model", "MobileNetV2"])
+    assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+", out), out[-2000:]
+
+
+def test_horovod_keras_mnist_learns(tmp_path):
+    out = _run(EX / "horovod" / "tensorflow2_keras_mnist.py",
+               ["--epochs", "2", "--steps-per-epoch", "20", "--checkpoint-dir", str(tmp_path)])
+    accs = [float(a) for a in re.findall(r"final accuracy: ([\d.]+)", out)]
+    assert len(accs) == 2 and accs[0] == accs[1] > 0.5, out[-2000:]  # averaged metrics
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1.keras",
+                                                          "checkpoint-2.keras"]
+
+
+def test_the_same_script_runs_under_horovod(horovodrun, tmp_path):
+    """The example differs from a Horovod script by its import line only."""
+    src = (EX / "horovod" / "pytorch_synthetic_benchmark.py").read_text()
+    line = re.compile(r"^import cgx\.torch as hvd$", re.M)
+    assert len(line.findall(src)) == 1
+    theirs = tmp_path / "pytorch_synthetic_benchmark.py"
+    theirs.write_text(line.sub("import horovod.torch as hvd", src))
+    out = _run(theirs, SMALL_BENCH, launcher="horovodrun")
+    assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+", out), out[-2000:]
