@@ -123,6 +123,19 @@ def _keras_scenarios(rank, world):
         out["mixed_finite"] = all(np.isfinite(w).all() for w in model.get_weights())
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+    # Horovod's order, Keras's own class: LossScaleOptimizer(DistributedOptimizer(opt)).
+    # An overflow on rank 1 only (float32 squares of 1e20) is skipped on every rank.
+    model = _model(0)
+    opt = keras.optimizers.LossScaleOptimizer(hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)))
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    xo = x[:BATCH * 3].copy()
+    if rank == 1:
+        xo[0] = 1e20
+    model.fit(xo, y[:BATCH * 3], batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    out["around_scale"] = float(opt.dynamic_scale.numpy())
+    out["around_weights"] = [w.tolist() for w in model.get_weights()]
     return out
 
 
@@ -152,6 +165,8 @@ def test_keras_reliability_scenarios():
         assert o["mixed_finite"]
     assert outs[0]["mixed_scale"] == outs[1]["mixed_scale"] < 2.0 ** 15  # lowered together
     assert outs[0]["mixed_weights"] == outs[1]["mixed_weights"]
+    assert outs[0]["around_scale"] == outs[1]["around_scale"] < 2.0 ** 15
+    assert outs[0]["around_weights"] == outs[1]["around_weights"]
     for r, o in enumerate(outs):
         assert o["rs"] == [1.5 * i for i in range(3 * r, 3 * r + 3)]
         assert o["rs_grad"] == [0.5] * 3 + [1.0] * 3  # allgathered upstream (1, 2) / 2

@@ -6,7 +6,9 @@ overflow skips the gradient exchange, the others wait in it. This subclass
 takes the check over every rank (one 4-byte MIN allreduce per step), so that
 all ranks skip the same steps and lower the scale together, as the single-process
 recipe does. ``cgx.tensorflow.keras.DistributedOptimizer`` uses it on its own
-under a ``mixed_float16`` policy, or when handed a Keras ``LossScaleOptimizer``.
+under a ``mixed_float16`` policy, or when handed a Keras ``LossScaleOptimizer``;
+a Keras ``LossScaleOptimizer`` put around a ``DistributedOptimizer`` gets the same
+global check (``check_finite`` is extended for optimizers that wrap one, and only them).
 """
 
 from __future__ import annotations
@@ -17,13 +19,37 @@ import tensorflow as tf
 from cgx.collectives.functional import Min
 
 
+_keras_check_finite = keras.optimizers.LossScaleOptimizer.check_finite
+
+
+def _wraps_distributed(opt) -> bool:
+    from cgx.tensorflow.keras.optimizer import DistributedOptimizer
+    seen = 0
+    while opt is not None and seen < 8:
+        if isinstance(opt, DistributedOptimizer):
+            return True
+        opt, seen = getattr(opt, "inner_optimizer", None), seen + 1
+    return False
+
+
+def _check_finite_everywhere(self, grads):
+    """Keras's check, agreed over all ranks when the optimizer inside is a cgx
+    ``DistributedOptimizer`` (else Keras's own, untouched)."""
+    local = _keras_check_finite(self, grads)
+    if not _wraps_distributed(self.inner_optimizer):
+        return local
+    from cgx.tensorflow.ops import allreduce
+    # One tiny exact collective: every rank takes the same branch of the step.
+    everywhere = allreduce(tf.cast(local, tf.int32), op=Min, name="loss_scale.finite")
+    return tf.cast(everywhere, tf.bool)
+
+
+# A user who writes keras.optimizers.LossScaleOptimizer(hvd.DistributedOptimizer(opt))
+# (Horovod's documented order) gets the global check too: without it, that is the hang
+# described above.
+keras.optimizers.LossScaleOptimizer.check_finite = _check_finite_everywhere
+
+
 @keras.saving.register_keras_serializable(package="cgx")
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     """``keras.optimizers.LossScaleOptimizer`` with a global overflow check (same arguments)."""
-
-    def check_finite(self, grads):
-        from cgx.tensorflow.ops import allreduce
-        local = super().check_finite(grads)
-        # One tiny exact collective: every rank takes the same branch of the step.
-        everywhere = allreduce(tf.cast(local, tf.int32), op=Min, name="loss_scale.finite")
-        return tf.cast(everywhere, tf.bool)
