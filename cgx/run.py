@@ -403,6 +403,7 @@ def first_recorded_failure(record_dir: str) -> Optional[tuple[int, int]]:
     A failed rank's time is when cgx's exit handler ran (``atexit.rank<R>``,
     written by cgx.runtime before it closes the rank's connections, which is
     what makes blocked peers fail), else when its process ended (``rank<R>``).
+    Its code is the status its program exited with, when cgx noted one there.
     """
     def read(name):
         with open(os.path.join(record_dir, name)) as f:
@@ -419,7 +420,12 @@ def first_recorded_failure(record_dir: str) -> Optional[tuple[int, int]]:
         except (OSError, ValueError):
             continue
         try:
-            t = min(t, int(read(f"atexit.rank{rank}")[0]))
+            noted = read(f"atexit.rank{rank}")
+            t = min(t, int(noted[0]))
+            if len(noted) > 1 and int(noted[1]) != 0:
+                # The status the program exited with (sys.exit), noted before its exit
+                # handlers ran: the launcher may have stopped it by a signal since.
+                code = int(noted[1])
         except (OSError, ValueError, IndexError):
             pass
         found.append((t, rank, code))

@@ -164,6 +164,8 @@ def init(config: Optional[Config] = None, *,
         if not _atexit_registered:
             atexit.register(_at_exit)
             _atexit_registered = True
+            if os.environ.get(EXIT_RECORD_VAR):
+                _note_exit_status()
         _log(config, world, f"initialized: rank {world.rank}/{world.size} (local "
                             f"{world.local_rank}/{world.local_size}, node {world.cross_rank}/"
                             f"{world.cross_size}), launcher {world.launcher.value}, "
@@ -195,6 +197,37 @@ def shutdown() -> None:
 # cgxrun (--gloo) sets this: each rank notes here when it starts to exit, so that
 # cgxrun can tell which failed rank went first (see cgx.run).
 EXIT_RECORD_VAR = "CGXRUN_EXIT_DIR"
+_exit_status = None  # what the program exits with, once known (sys.exit, uncaught error)
+
+
+def _note_exit_status() -> None:
+    """Under cgxrun: learn the exit status before the exit handlers run.
+
+    A rank that calls ``sys.exit(3)`` closes its connections in its exit handler; a
+    peer blocked in a collective with it then fails, and the launcher may stop this
+    rank (SIGTERM) before it has finished exiting. cgxrun reports the first failure,
+    and this makes it report 3, not the signal.
+    """
+    real_exit, previous_hook = sys.exit, sys.excepthook
+
+    def exit_(status=None):
+        global _exit_status
+        _exit_status = status
+        real_exit(status)
+
+    def hook(exc_type, exc, tb):
+        global _exit_status
+        if _exit_status is None:
+            _exit_status = 1
+        previous_hook(exc_type, exc, tb)
+
+    sys.exit, sys.excepthook = exit_, hook
+
+
+def _status_code(status) -> int:
+    if status is None:
+        return 0
+    return status if isinstance(status, int) else 1
 
 
 def _at_exit() -> None:
@@ -219,6 +252,8 @@ def _at_exit() -> None:
             try:
                 with open(os.path.join(record_dir, f"atexit.rank{st.world.rank}"), "w") as f:
                     f.write(str(time.time_ns()))
+                    if _exit_status is not None:
+                        f.write(f" {_status_code(_exit_status)}")
             except OSError:
                 pass
         under_mpi = st.world.launcher in (Launcher.OPEN_MPI, Launcher.MPICH) or \
