@@ -173,7 +173,8 @@ class GradientPlan:
         self.warmup_steps = int(getattr(comp, "warmup_steps", 0) or 0)
 
     def reduce(self, grads: list, *, name: str, step: Optional[int] = None,
-               indices: Optional[Sequence[int]] = None, shadow: bool = False) -> list:
+               indices: Optional[Sequence[int]] = None, shadow: bool = False,
+               reducer=None) -> list:
         """Reduce ``grads`` over all ranks; runs on the engine thread (``session.run``).
 
         Args:
@@ -187,6 +188,8 @@ class GradientPlan:
                 in order); a bucketed caller reduces one bucket per call.
             shadow: zeros reduced on behalf of ranks that still train (join):
                 error-feedback residuals are left alone.
+            reducer: the Reducer to use (default: the session's, or the process set's);
+                the DDP hook passes its own.
 
         Returns:
             The reduced tensors, shaped like ``grads``.
@@ -198,7 +201,7 @@ class GradientPlan:
         specs = [self.specs[i] for i in idx]
         step = self.step if step is None else int(step)
         self.step += 1
-        red = process_sets.reducer_of(self.group)
+        red = reducer if reducer is not None else process_sets.reducer_of(self.group)
         dev = red.transport.device
         work = [g if g.device == dev and g.is_contiguous() else g.contiguous().to(dev)
                 for g in grads]

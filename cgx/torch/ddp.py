@@ -21,7 +21,7 @@ from cgx.comm.consistency import agree, signature
 from cgx.collectives import Reducer
 from cgx.comm.base import ReduceOp
 from cgx.comm.torch_dist import TorchTransport
-from cgx.config import Config
+from cgx.config import CompressionMode, Config
 from cgx.rules import LayerRules
 
 STATE_FORMAT = 1
@@ -36,14 +36,17 @@ class CGXState:
         config: settings (default: ``Config.from_env()``).
         rules: per-layer rules (dict, list or YAML path; see ``cgx.rules``).
         error_feedback: keep residuals (default: ``config.error_feedback``).
+        compression: ``"auto"`` or ``Compression.auto(...)``: per-layer levels chosen
+            within an error budget (``cgx.adaptive``), as in ``DistributedOptimizer``;
+            also when ``CGX_COMPRESSION=auto``. None: the fixed per-layer specs.
 
     The state pickles (the process group and engine are rebuilt on first use),
-    and ``state_dict()``/``load_state_dict()`` carry residuals and the step.
+    and ``state_dict()``/``load_state_dict()`` carry residuals, the step and the plan.
     """
 
     def __init__(self, model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None,
                  config: Optional[Config] = None, rules=None,
-                 error_feedback: Optional[bool] = None):
+                 error_feedback: Optional[bool] = None, compression=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"CGXState needs the model (a torch.nn.Module) for parameter names, "
                             f"got {type(model).__name__}")
@@ -51,11 +54,27 @@ class CGXState:
         self.process_group = process_group
         self.error_feedback = self.config.error_feedback if error_feedback is None \
             else bool(error_feedback)
+        rules_source = rules
         rules = LayerRules.from_config(self.config, rules)
         module = model.module if hasattr(model, "module") else model
         self._names = {id(p): n for n, p in module.named_parameters()}
         self._specs = {id(p): rules.spec_for(n, tuple(p.shape)) if self.config.quantization_enabled
                        else None for n, p in module.named_parameters()}
+        # compression="auto": one GradientPlan over all parameters (it owns the residuals).
+        self._plan = None
+        if compression is not None or self.config.compression is CompressionMode.AUTO:
+            from cgx.compression import AutoCompression, as_compressor
+            from cgx.grad_plan import GradientPlan
+            comp = as_compressor(compression if compression is not None else "auto")
+            if not isinstance(comp, AutoCompression):
+                raise ValueError(f"CGXState takes compression='auto' or Compression.auto(...) "
+                                 f"(other settings come from CGX_* variables), got {comp!r}")
+            if error_feedback is not None:
+                comp.error_feedback = bool(error_feedback)
+            named = list(module.named_parameters())
+            self._plan = GradientPlan([n for n, _ in named], [tuple(p.shape) for _, p in named],
+                                      comp, rules=rules_source, config=self.config)
+            self._index = {id(p): i for i, (_, p) in enumerate(named)}
         # -- internal state (checkpointed) --
         self.iteration = 0  # buckets of one backward share it; advanced by bucket 0
         self.residuals = {}  # parameter name -> float32 residual
@@ -72,8 +91,11 @@ class CGXState:
         return self._reducer
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "iteration": self.iteration,
-                "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
+        state = {"format": STATE_FORMAT, "iteration": self.iteration,
+                 "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
+        if self._plan is not None:
+            state["plan"] = self._plan.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") != STATE_FORMAT:
@@ -81,6 +103,13 @@ class CGXState:
                              f"{STATE_FORMAT}")
         self.iteration = int(state["iteration"])
         self.residuals = {k: v.detach().clone() for k, v in state["residuals"].items()}
+        if self._plan is not None and "plan" in state:
+            self._plan.load_state_dict(state["plan"])
+
+    def compression_plan(self) -> list:
+        """Per parameter: layer, shape, family, level, bytes, error and share of the error
+        budget (``compression="auto"``; see ``cgx.adaptive.format_plan``), else []."""
+        return self._plan.compression_plan() if self._plan is not None else []
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -104,6 +133,8 @@ def _reduce(state: CGXState, bucket: dist.GradBucket, fut: torch.futures.Future,
         params = bucket.parameters()
         specs = [state._specs.get(id(p)) for p in params]
         name = f"ddp.bucket{bucket.index()}"
+        if state._plan is not None:
+            specs = ["auto"] * len(params)  # the layout check below; the plan decides
         if state.config.check_consistency:
             # Once per bucket layout (DDP launches the same buckets in the same order on
             # every rank, and rebuilds them everywhere alike): the ranks agree on it.
@@ -114,6 +145,15 @@ def _reduce(state: CGXState, bucket: dist.GradBucket, fut: torch.futures.Future,
             if sig.digest() not in state._checked:
                 agree(state.reducer().transport, sig, recoverable=False)
                 state._checked.add(sig.digest())
+        if state._plan is not None:
+            outs = state._plan.reduce(list(grads), name=name, step=step,
+                                      indices=[state._index[id(p)] for p in params],
+                                      reducer=state.reducer())
+            for g, o in zip(grads, outs):
+                if o is not g:
+                    g.copy_(o.view_as(g))
+            fut.set_result(bucket.buffer())
+            return
         residuals = None
         if state.error_feedback:
             residuals = [state._residual(state._names.get(id(p), str(i)), g.numel(), g.device)

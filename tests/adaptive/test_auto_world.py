@@ -119,3 +119,40 @@ def test_warmup_steps_travel_exact(comp):
         for p, q in zip(got[step], exact[step]):
             assert torch.equal(p, q), (comp, step)
     assert not all(torch.equal(p, q) for p, q in zip(got[4], exact[4]))  # compressed after
+
+
+def _ddp_auto(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import cgx.torch as hvd
+    model = DDP(_model(), bucket_cap_mb=0.05)  # several buckets
+    state = hvd.CGXState(model, compression=hvd.Compression.auto(window=2, adjust_every=4,
+                                                                 error_feedback=True))
+    model.register_comm_hook(state, hvd.cgx_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    history = []
+    for block in range(3):
+        for step in range(4 * block, 4 * block + 4):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(16, 32, generator=g) * (1 + rank)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), x[:, :10].argmax(1)).backward()
+            opt.step()
+        history.append([(r["layer"], r["level"]) for r in state.compression_plan()])
+    blob = io.BytesIO()
+    torch.save(state.state_dict(), blob)
+    fresh = hvd.CGXState(model, compression="auto")
+    blob.seek(0)
+    fresh.load_state_dict(torch.load(blob, weights_only=False))
+    return {"history": history, "restored": [(r["layer"], r["level"])
+                                             for r in fresh.compression_plan()],
+            "params": [p.detach() for p in model.parameters()]}
+
+
+def test_ddp_hook_auto_plans_alike_and_checkpoints():
+    outs = run_gloo(_ddp_auto, 2)
+    assert outs[0]["history"] == outs[1]["history"]
+    for p, q in zip(outs[0]["params"], outs[1]["params"]):
+        assert torch.equal(p, q)
+    levels = {lvl for _, lvl in outs[0]["history"][-1] if "not planned" not in lvl}
+    assert levels and levels != {"4-bit/1024"}
+    assert outs[0]["restored"] == outs[0]["history"][-1]
