@@ -101,6 +101,36 @@ class AdaptiveSchedule:
     def due(self, step: int) -> bool:
         return step >= self.next_plan
 
+    def replan_soon(self, step: int) -> None:
+        """Make the next plan from the ``window`` steps starting at ``step`` (e.g. at the end
+        of an epoch; every rank calls it at the same step)."""
+        self._acc.clear()
+        self.next_plan = max(step, self.settings.warmup_steps) + self.settings.window
+
+    def plan_summary(self) -> dict:
+        """The plan alone, JSON-able (layer -> [family, bits, bucket]), with its schedule:
+        what a Keras checkpoint stores (the statistics are not kept)."""
+        return {"next_plan": self.next_plan, "plans_made": self.plans_made,
+                "plan": {n: [c.family.value, c.bits, c.bucket_size]
+                         for n, c in zip(self.names, self.plan) if c is not None}}
+
+    def load_plan_summary(self, summary: dict) -> None:
+        """Restore :meth:`plan_summary` (by layer name; unknown layers keep the default).
+
+        Names match up to a leading scope: a Keras model loaded from a file names its
+        variables ``sequential/dense/kernel`` where the saved one said ``dense/kernel``.
+        """
+        self.next_plan = int(summary["next_plan"])
+        self.plans_made = int(summary["plans_made"])
+        for i, n in enumerate(self.names):
+            c = summary["plan"].get(n)
+            if c is None:
+                c = next((v for k, v in summary["plan"].items() if _same_layer(k, n)), None)
+            if c is not None and self.candidates[i] is not None:
+                cand = Candidate(Family(c[0]), int(c[1]), int(c[2]))
+                if cand in self.candidates[i]:
+                    self.plan[i] = cand
+
     def replan(self, step: int, transport, threads: int = 1, verbose: bool = False) -> bool:
         """Make the next plan from the window's sums (a collective: call it on every rank at
         the same point). Returns True when the plan changed."""
@@ -172,6 +202,16 @@ class AdaptiveSchedule:
         self._errors = None if state["errors"] is None else \
             {index[n]: v for n, v in state["errors"].items() if n in index}
         self._acc = {k: v.clone() for k, v in state["acc"].items() if k in index}
+
+
+def _same_layer(a: str, b: str) -> bool:
+    """Two variable names of the same layer, up to a leading scope ("model/" + name)."""
+    return a == b or a.endswith("/" + b) or b.endswith("/" + a)
+
+
+def matches(summary: dict, names: Sequence[str]) -> bool:
+    """True when every layer of a :meth:`AdaptiveSchedule.plan_summary` is among ``names``."""
+    return all(any(_same_layer(k, n) for n in names) for k in summary["plan"])
 
 
 def format_plan(rows: list[dict]) -> str:

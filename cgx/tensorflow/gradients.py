@@ -98,6 +98,9 @@ class GradientExchange:
         self.label = label or f"grads{next(_labels)}"
         self._plans: dict = {}
         self._lock = threading.Lock()
+        # compression="auto": plans restored from a checkpoint, applied when the
+        # GradientPlan of the same layers is created (at the first exchange).
+        self.pending_plans: list = []
 
     def plan(self, names: Sequence[str], shapes, dtypes) -> GradientPlan:
         key = (tuple(names), tuple(tuple(s) for s in shapes), tuple(dtypes))
@@ -107,8 +110,26 @@ class GradientExchange:
                 plan = GradientPlan(names, shapes, self.compression, op=self.op,
                                     predivide=self.predivide, rules=self.rules,
                                     group=self.group)
+                if plan.adaptive is not None:
+                    from cgx.adaptive.schedule import matches
+                    for summary in self.pending_plans:
+                        if matches(summary, plan.names):
+                            plan.adaptive.load_plan_summary(summary)
                 self._plans[key] = plan
             return plan
+
+    def plan_summaries(self) -> list:
+        """compression="auto": each plan's :meth:`AdaptiveSchedule.plan_summary` (JSON-able)."""
+        with self._lock:
+            return [p.adaptive.plan_summary() for p in self._plans.values()
+                    if p.adaptive is not None] or list(self.pending_plans)
+
+    def request_replan(self, step: int) -> None:
+        """compression="auto": plan again from the ``window`` steps starting at ``step``."""
+        with self._lock:
+            for p in self._plans.values():
+                if p.adaptive is not None:
+                    p.adaptive.replan_soon(step)
 
     def compression_plan(self) -> list[dict]:
         """Rows of the current per-layer plan (see ``GradientPlan.compression_plan``)."""

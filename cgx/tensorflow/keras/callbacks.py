@@ -374,4 +374,33 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "StatsCallback",
-           "LearningRateScheduleCallback", "LearningRateWarmupCallback", "BestModelCheckpoint"]
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback", "BestModelCheckpoint",
+           "AdaptivePlanCallback"]
+
+
+class AdaptivePlanCallback(keras.callbacks.Callback):
+    """``compression="auto"``: re-plan the per-layer levels at the end of every
+    ``every_epochs`` epochs (from the ``window`` steps that follow), as the data or the
+    learning rate change; the plan is also kept in the model's saved optimizer config.
+
+    Example::
+
+        opt = hvd.DistributedOptimizer(keras.optimizers.Adam(), compression="auto")
+        model.fit(..., callbacks=[hvd.callbacks.AdaptivePlanCallback()])
+    """
+
+    def __init__(self, every_epochs: int = 1):
+        super().__init__()
+        self.every_epochs = _check_int(every_epochs, "every_epochs", 1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (epoch + 1) % self.every_epochs:
+            return
+        from cgx.tensorflow.keras.optimizer import DistributedOptimizer
+        opt = getattr(self.model, "optimizer", None)
+        while opt is not None and not isinstance(opt, DistributedOptimizer):
+            opt = getattr(opt, "inner_optimizer", None)
+        if opt is None:
+            raise ValueError("AdaptivePlanCallback needs a model compiled with a cgx "
+                             "DistributedOptimizer")
+        opt.replan()

@@ -243,6 +243,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         budget of the current plan (``compression="auto"``; see ``cgx.adaptive.format_plan``)."""
         return self._exchange.compression_plan()
 
+    def replan(self) -> None:
+        """``compression="auto"``: make a new plan from the next ``window`` steps (call it on
+        every rank at the same step, e.g. from ``callbacks.AdaptivePlanCallback``)."""
+        self._exchange.request_replan(int(self.inner_optimizer.iterations.numpy()))
+
     def set_compression(self, compression) -> None:
         """Use ``compression`` from the next step on (e.g. after loading a saved model)."""
         tf_side_compressor(compression)
@@ -265,6 +270,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "average_aggregated_gradients": self._average_aggregated,
             "rules": self._rules if isinstance(self._rules, (str, type(None))) else
             _plain(self._rules),
+            # compression="auto": the current per-layer plan, so that a model saved and
+            # loaded again continues with it (load_model, ModelCheckpoint).
+            "adaptive_plans": self._exchange.plan_summaries(),
         }
 
     @classmethod
@@ -274,7 +282,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                                                       custom_objects=custom_objects)
         config["compression"] = compression_from_config(config.get("compression"))
         config["op"] = ReduceOp(config.get("op", "average"))
-        return cls(inner, _no_loss_scale=True, **config)
+        plans = config.pop("adaptive_plans", None) or []
+        opt = cls(inner, _no_loss_scale=True, **config)
+        opt._exchange.pending_plans = list(plans)
+        return opt
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.inner_optimizer).__name__}, "
