@@ -345,7 +345,7 @@ def test_validation_errors():
         hvd.DistributedOptimizer(sgd, named_parameters=[("w", p) for p in model.parameters()])
     with pytest.raises(ValueError, match="not in it"):
         hvd.DistributedOptimizer(sgd, named_parameters=list(model.named_parameters())[:2])
-    with pytest.raises(ValueError, match="global process set"):
+    with pytest.raises(ValueError, match="must be a ProcessSet"):
         hvd.DistributedOptimizer(sgd, process_set=object())
     with pytest.raises(ValueError, match="Adasum"):
         hvd.allreduce(torch.ones(1), op=hvd.Adasum)
