@@ -285,21 +285,23 @@ def test_one_overflow_does_not_poison_error_feedback():
         assert torch.equal(p, q)
 
 
-def _grad_scaler(rank, world):
+def _grad_scaler(rank, world, comp):
     hvd = _hvd()
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 4)
+    compression = hvd.Compression.fp16 if comp == "fp16" else \
+        hvd.Compression.quantize(bits=8, error_feedback=True)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(),
-                                   compression=hvd.Compression.quantize(bits=8,
-                                                                        error_feedback=True))
+                                   compression=compression)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     log = []
     for step in range(4):
         opt.zero_grad()
         before = [p.detach().clone() for p in model.parameters()]
         g = torch.Generator().manual_seed(step * 10 + rank)
-        loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=comp == "fp16"):
+            loss = model(torch.randn(8, 16, generator=g)).float().pow(2).mean()
         if step == 1 and rank == 0:
             loss = loss * float("inf")  # inf gradients on this rank only
         scaler.scale(loss).backward()
@@ -311,8 +313,11 @@ def _grad_scaler(rank, world):
     return {"log": log, "params": [p.detach() for p in model.parameters()]}
 
 
-def test_grad_scaler_skips_an_overflow_on_every_rank():
-    outs = run_gloo(_grad_scaler, 2)
+@pytest.mark.parametrize("comp", ["quantize8_ef", "fp16"])
+def test_grad_scaler_skips_an_overflow_on_every_rank(comp):
+    """torch AMP (autocast + GradScaler) with 8-bit + error feedback, and with Horovod's
+    fp16 compression."""
+    outs = run_gloo(_grad_scaler, 2, comp)
     assert outs[0]["log"] == outs[1]["log"]
     moved = [m for m, _ in outs[0]["log"]]
     assert moved == [True, False, True, True]
