@@ -170,6 +170,19 @@ def allgather_rows(tensor: torch.Tensor, name: str = "allgather", group=None) ->
     return flat.view(shape).to(tensor.device)
 
 
+def sparse_reduce(tensor: torch.Tensor, op: ReduceOp, name: str, group=None) -> torch.Tensor:
+    """Horovod's sparse allreduce of a COO tensor (engine thread): every rank's indices and
+    values all-gathered, the values divided by the number of ranks for Average. The result
+    is uncoalesced, as Horovod's."""
+    t = tensor.coalesce()
+    # Allgather concatenates along dim 0: indices travel transposed (nnz x ndim).
+    indices = allgather_rows(t.indices().t().contiguous(), f"{name}.indices", group)
+    values = allgather_rows(t.values().contiguous(), f"{name}.values", group)
+    if op is ReduceOp.AVERAGE:
+        values = values / group_size(group)
+    return torch.sparse_coo_tensor(indices.t(), values, t.size())
+
+
 def broadcast_tensor(tensor: torch.Tensor, root_rank: int, out: torch.Tensor,
                      name: str = "broadcast", group=None) -> torch.Tensor:
     tr = _transport(group)

@@ -22,7 +22,7 @@ from cgx.comm.base import ReduceOp
 from cgx.collectives.functional import (Average, Sum, allgather_rows, alltoall_rows,
                                         broadcast_tensor, check_root, group_rank, group_size,
                                         op_name, reduce_tensors, reducescatter_rows, resolve_op,
-                                        resolve_process_set)
+                                        resolve_process_set, sparse_reduce)
 from cgx.process_sets import global_process_set
 from cgx.compression import Compression
 
@@ -322,17 +322,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         raise TypeError("sparse_allreduce_async takes a sparse COO tensor (e.g. the gradient "
                         "of nn.Embedding(sparse=True)); use allreduce_async for dense ones")
     name = op_name(name, "sparse_allreduce", g)
-    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
-
-    def run():
-        # Allgather concatenates along dim 0: indices travel transposed (nnz x ndim).
-        indices = allgather_rows(t.indices().t().contiguous(), f"{name}.indices", g)
-        values = allgather_rows(t.values().contiguous(), f"{name}.values", g)
-        if op is Average:
-            values = values / group_size(g)
-        return torch.sparse_coo_tensor(indices.t(), values, t.size())
-
-    return session.submit(run, label=name)
+    return session.submit(sparse_reduce, tensor, op, name, g, label=name)
 
 
 # -- handles and synchronization ----------------------------------------------------

@@ -444,15 +444,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _reduce_sparse(self, i: int, grad: torch.Tensor, shadow: bool) -> None:
         """Engine thread: Horovod's sparse allreduce of one gradient (indices and values
         allgathered; values divided by the number of ranks for Average)."""
-        from cgx.collectives.functional import allgather_rows
-        g = grad.coalesce()
+        from cgx.collectives.functional import sparse_reduce
         name = f"opt{self._registry_id}.sparse.{self._names[id(self._params[i])]}"
-        idx = allgather_rows(g.indices().t().contiguous(), name + ".indices", self._group)
-        vals = allgather_rows(g.values().contiguous(), name + ".values", self._group)
-        if self._op is Average:
-            vals = vals / group_size(self._group)
+        out = sparse_reduce(grad, self._op, name, self._group)
         if not shadow:
-            self._sparse_out[i] = torch.sparse_coo_tensor(idx.t(), vals, g.shape)
+            self._sparse_out[i] = out
 
     def _exchange_factors(self) -> None:
         """Engine thread: the sufficient-factor layers' weight gradients (every rank, in order)."""
