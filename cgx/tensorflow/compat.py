@@ -19,15 +19,10 @@ from cgx.tensorflow.ops import resolve_process_set
 from cgx.torch.compat import HorovodInternalError, _refuse, check_extension  # noqa: F401
 
 
-def _set_by_id(process_set_id: int):
-    ps = process_sets.ProcessSet([])
-    ps.process_set_id = process_set_id
-    return ps
-
-
 def size_op(process_set_id=0, name=None):
     """The number of ranks (of a process set), as a TF constant (Horovod's graph op)."""
-    size = runtime.size() if process_set_id == 0 else _set_by_id(process_set_id).size()
+    size = runtime.size() if process_set_id == 0 else \
+        len(process_sets.ranks_of_id(process_set_id))
     return tf.constant(size, dtype=tf.int32, name=name)
 
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from cgx import runtime
+from cgx.collectives.functional import Sum
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -122,7 +123,7 @@ class _SyncBatchNorm(torch.autograd.Function):
         grad_input = None
         if need_input:
             C = sum_dy.numel()
-            sums = allreduce(torch.cat([sum_dy, sum_dy_xmu]), op=_sum(),
+            sums = allreduce(torch.cat([sum_dy, sum_dy_xmu]), op=Sum,
                              name="sync_batch_norm.grad")
             g_dy, g_dy_xmu = sums[:C] / ctx.total, sums[C:] / ctx.total
             scale = invstd if weight is None else invstd * weight.float()
@@ -130,8 +131,3 @@ class _SyncBatchNorm(torch.autograd.Function):
                 * _shape(scale, nd)
             grad_input = grad_input.to(x.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None
-
-
-def _sum():
-    from cgx.collectives.functional import Sum
-    return Sum
