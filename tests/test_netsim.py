@@ -95,7 +95,7 @@ def test_shaping_and_network_arguments():
         SlowNetwork(subnet="8.8.8.0/24")
     with pytest.raises(ValueError, match="not an IP network"):
         SlowNetwork(subnet="10.213.0.0/33")
-    with pytest.raises(ValueError, match="room for 2 ranks, 3 asked"):
+    with pytest.raises(ValueError, match="room for 2 hosts, 3 asked"):
         SlowNetwork(n_ranks=3, subnet="10.213.0.0/30")
     net = SlowNetwork(n_ranks=3, rate=None)
     assert net.switch and net.master_addr == "10.213.0.1"
@@ -111,6 +111,17 @@ def test_shaping_and_network_arguments():
         net.launch(["true"])
     with pytest.raises(ValueError, match="package.module:function"):
         net.run_function("no_colon")
+    with pytest.raises(ValueError, match="divisor of n_ranks=4"):
+        SlowNetwork(n_ranks=4, ranks_per_host=3)
+    with pytest.raises(ValueError, match="make one host"):
+        SlowNetwork(n_ranks=2, ranks_per_host=2)
+    hosts = SlowNetwork(n_ranks=4, ranks_per_host=2, rate=None)
+    assert not hosts.switch and len(hosts.namespaces) == 2
+    assert [ep.namespace for ep in hosts.ranks] == [hosts.namespaces[i] for i in (0, 0, 1, 1)]
+    assert [ep.address for ep in hosts.ranks] == ["10.213.0.1"] * 2 + ["10.213.0.2"] * 2
+    env = hosts.rank_env(3)
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"],
+            env["GROUP_WORLD_SIZE"], env["WORLD_SIZE"]) == ("1", "2", "1", "2", "4")
 
 
 # --------------------------------------------------------------- live network
@@ -135,6 +146,25 @@ def test_shaped_gloo_allreduce_at_100mbit_then_teardown():
     # 2-rank allreduce: each rank sends 10 MB = 80 Mbit at 100 Mbit/s -> ~0.84 s with framing.
     elapsed = max(r0["times_s"][0], r1["times_s"][0])
     assert 0.5 < elapsed < 8.0, f"10 MB allreduce at 100 Mbit/s took {elapsed:.3f} s"
+
+
+@pytest.mark.netns
+@pytest.mark.multiproc
+def test_two_hosts_of_two_ranks_share_a_namespace_and_its_shaped_link():
+    """2 hosts x 2 ranks: the 4-rank allreduce is right; only the host link carries traffic."""
+    net = _started(n_ranks=4, ranks_per_host=2, rate="100mbit")
+    with net:
+        res = net.run_function("benchmarks.netsim.probes:allreduce_probe",
+                               {"size_mb": 4, "reps": 1, "warmup": 0}, timeout=120)
+        tx = [int(subprocess.run(["ip", "netns", "exec", ep.namespace, "cat",
+                                  f"/sys/class/net/{ep.ifname}/statistics/tx_bytes"],
+                                 capture_output=True, text=True, check=True).stdout)
+              for ep in net.hosts]
+    assert list_namespaces(net.prefix) == []
+    assert all(r["correct"] and r["world_size"] == 4 for r in res)
+    # Gloo's ring over 4 ranks sends 2 x 3/4 x 4 MB per rank; the two ranks of a
+    # host share its veth, and some of their ring neighbours are on the same host.
+    assert all(tx_host > 4e6 for tx_host in tx), tx
 
 
 @pytest.mark.netns

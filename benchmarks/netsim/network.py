@@ -20,6 +20,7 @@ cleanup`` removes those whose process is gone.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import ipaddress
 import itertools
 import os
@@ -171,6 +172,9 @@ class SlowNetwork:
             new rendezvous never meets a port still in TIME_WAIT.
         threads_per_rank: OMP_NUM_THREADS given to each rank (unless already
             set): ranks share this machine's few cores.
+        ranks_per_host: ranks sharing one namespace (one simulated host). Ranks
+            of a host talk over its unshaped loopback, hosts over the shaped
+            links: ``n_ranks=4, ranks_per_host=2`` is 2 hosts x 2 ranks.
 
     Raises:
         ValueError/TypeError: for bad arguments (checked before anything is created).
@@ -194,11 +198,20 @@ class SlowNetwork:
         switch: Optional[bool] = None,
         master_port: int = DEFAULT_MASTER_PORT,
         threads_per_rank: int = 1,
+        ranks_per_host: int = 1,
     ):
         if isinstance(n_ranks, bool) or not isinstance(n_ranks, int):
             raise TypeError(f"n_ranks must be an int, got {type(n_ranks).__name__}")
         if n_ranks < 2:
             raise ValueError(f"n_ranks must be >= 2 (a link needs two ends), got {n_ranks}")
+        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) \
+                or ranks_per_host < 1 or n_ranks % ranks_per_host:
+            raise ValueError(f"ranks_per_host must be a divisor of n_ranks={n_ranks}, "
+                             f"got {ranks_per_host!r}")
+        n_hosts = n_ranks // ranks_per_host
+        if n_hosts < 2:
+            raise ValueError(f"{n_ranks} ranks at {ranks_per_host} per host make one host; "
+                             "a link needs two (lower ranks_per_host)")
         self.shaping = Shaping(rate=rate, burst=burst, latency=latency)
         try:
             network = ipaddress.ip_network(subnet)
@@ -207,34 +220,41 @@ class SlowNetwork:
                 f"subnet {subnet!r} is not an IP network such as '10.213.0.0/24': {err}") from None
         if network.version != 4 or not network.is_private:
             raise ValueError(f"subnet {subnet!r} must be a private IPv4 range (e.g. '10.213.0.0/24')")
-        if network.num_addresses - 2 < n_ranks:
+        if network.num_addresses - 2 < n_hosts:
             raise ValueError(
-                f"subnet {subnet!r} has room for {network.num_addresses - 2} ranks, {n_ranks} asked")
+                f"subnet {subnet!r} has room for {network.num_addresses - 2} hosts, {n_hosts} asked")
         if not (1 <= master_port <= 65000):
             raise ValueError(f"master_port must be in 1..65000, got {master_port}")
         if threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
 
         self.n_ranks = n_ranks
+        self.ranks_per_host = ranks_per_host
+        self.n_hosts = n_hosts
         self.subnet = network
-        self.switch = n_ranks > 2 if switch is None else bool(switch)
+        self.switch = n_hosts > 2 if switch is None else bool(switch)
         self.master_port = master_port
         self.threads_per_rank = threads_per_rank
         self.prefix = f"{NAMESPACE_PREFIX}{os.getpid()}-{next(_instance_ids)}-"
         self.switch_namespace: Optional[str] = f"{self.prefix}sw" if self.switch else None
 
-        hosts = itertools.islice(network.hosts(), n_ranks)
-        self.ranks: list[RankEndpoint] = [
+        # One endpoint per host (its first rank's number in .rank); with one rank
+        # per host the namespaces keep their per-rank names.
+        tag = "r" if ranks_per_host == 1 else "h"
+        addrs = itertools.islice(network.hosts(), n_hosts)
+        self.hosts: list[RankEndpoint] = [
             RankEndpoint(
-                rank=r,
-                namespace=f"{self.prefix}r{r}",
+                rank=h * ranks_per_host,
+                namespace=f"{self.prefix}{tag}{h}",
                 address=str(addr),
-                ifname=f"cgx{r}",
-                peer_namespace=self.switch_namespace if self.switch else f"{self.prefix}r{1 - r}",
-                peer_ifname=f"sw{r}" if self.switch else f"cgx{1 - r}",
+                ifname=f"cgx{h}",
+                peer_namespace=self.switch_namespace if self.switch else f"{self.prefix}{tag}{1 - h}",
+                peer_ifname=f"sw{h}" if self.switch else f"cgx{1 - h}",
             )
-            for r, addr in enumerate(hosts)
+            for h, addr in enumerate(addrs)
         ]
+        self.ranks: list[RankEndpoint] = [
+            dataclasses.replace(self.hosts[r // ranks_per_host], rank=r) for r in range(n_ranks)]
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []
         self._launches = 0
@@ -245,8 +265,8 @@ class SlowNetwork:
     # ------------------------------------------------------------------ info
     @property
     def namespaces(self) -> list[str]:
-        """Every namespace of this network (ranks first, then the switch)."""
-        names = [ep.namespace for ep in self.ranks]
+        """Every namespace of this network (hosts first, then the switch)."""
+        names = [ep.namespace for ep in self.hosts]
         return names + ([self.switch_namespace] if self.switch_namespace else [])
 
     @property
@@ -260,7 +280,8 @@ class SlowNetwork:
         return self.shaping.bits_per_second
 
     def __repr__(self) -> str:
-        return (f"SlowNetwork(n_ranks={self.n_ranks}, {self.shaping.describe()}, "
+        hosts = f", {self.n_hosts} hosts" if self.ranks_per_host > 1 else ""
+        return (f"SlowNetwork(n_ranks={self.n_ranks}{hosts}, {self.shaping.describe()}, "
                 f"{'switch' if self.switch else 'veth pair'}, prefix={self.prefix!r}, state={self._state})")
 
     # -------------------------------------------------------------- lifecycle
@@ -307,18 +328,18 @@ class SlowNetwork:
             sw = self.switch_namespace
             _run([ip, "-n", sw, "link", "add", _BRIDGE, "type", "bridge"])
             _run([ip, "-n", sw, "link", "set", _BRIDGE, "up"])
-            for ep in self.ranks:
+            for ep in self.hosts:
                 # Created from inside the rank's namespace: the root namespace never sees it.
                 _run([ip, "-n", ep.namespace, "link", "add", ep.ifname, "type", "veth",
                       "peer", "name", ep.peer_ifname, "netns", sw])
                 _run([ip, "-n", sw, "link", "set", ep.peer_ifname, "master", _BRIDGE])
                 _run([ip, "-n", sw, "link", "set", ep.peer_ifname, "up"])
         else:
-            a, b = self.ranks
+            a, b = self.hosts
             _run([ip, "-n", a.namespace, "link", "add", a.ifname, "type", "veth",
                   "peer", "name", b.ifname, "netns", b.namespace])
 
-        for ep in self.ranks:
+        for ep in self.hosts:
             cidr = f"{ep.address}/{self.subnet.prefixlen}"
             _run([ip, "-n", ep.namespace, "addr", "add", cidr, "dev", ep.ifname])
             _run([ip, "-n", ep.namespace, "link", "set", "lo", "up"])
@@ -327,7 +348,7 @@ class SlowNetwork:
         if self.shaping.rate is not None:
             tc = shutil.which("tc")
             tbf = self.shaping.tc_args()
-            for ep in self.ranks:
+            for ep in self.hosts:
                 _run([tc, "-n", ep.namespace, "qdisc", "add", "dev", ep.ifname, "root", *tbf])
                 if self.switch:  # the switch's egress toward the rank: the rank's download
                     _run([tc, "-n", self.switch_namespace, "qdisc", "add", "dev", ep.peer_ifname,
@@ -406,9 +427,10 @@ class SlowNetwork:
                  extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
         """The environment of ``rank``: this process's, plus what torch.distributed/Gloo need.
 
-        Each namespace stands for one machine: LOCAL_RANK=0, LOCAL_WORLD_SIZE=1,
-        GROUP_RANK=rank, GROUP_WORLD_SIZE=n_ranks, so launcher-aware code treats
-        every link as an inter-node link.
+        Each namespace stands for one machine: LOCAL_RANK / LOCAL_WORLD_SIZE are
+        the rank's place on its host (0 / 1 with one rank per host), GROUP_RANK /
+        GROUP_WORLD_SIZE its host's index and the host count, so launcher-aware
+        code treats exactly the shaped links as inter-node links.
         ``extra`` (the caller's variables) wins over everything.
         """
         ep = self.ranks[rank]
@@ -419,10 +441,10 @@ class SlowNetwork:
         env.update(
             RANK=str(rank),
             WORLD_SIZE=str(self.n_ranks),
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-            GROUP_RANK=str(rank),  # torchrun's node index / node count
-            GROUP_WORLD_SIZE=str(self.n_ranks),
+            LOCAL_RANK=str(rank % self.ranks_per_host),
+            LOCAL_WORLD_SIZE=str(self.ranks_per_host),
+            GROUP_RANK=str(rank // self.ranks_per_host),  # torchrun's node index / node count
+            GROUP_WORLD_SIZE=str(self.n_hosts),
             MASTER_ADDR=self.master_addr,
             MASTER_PORT=str(self.master_port if master_port is None else master_port),
             GLOO_SOCKET_IFNAME=ep.ifname,
