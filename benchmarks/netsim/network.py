@@ -26,6 +26,7 @@ import itertools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +45,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SUBNET = "10.213.0.0/24"
 DEFAULT_MASTER_PORT = 29500
 _BRIDGE = "cgxbr"
+# `ip netns exec NS` bind-mounts the files of /etc/netns/NS over /etc: each
+# simulated host gets its own /etc/hosts there.
+ETC_NETNS = Path("/etc/netns")
 _instance_ids = itertools.count()
 _TEARDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -116,6 +120,7 @@ def delete_namespace(name: str) -> bool:
         except (ProcessLookupError, ValueError):
             pass
     _run([ip, "netns", "del", name], check=False)
+    shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
     return name not in list_namespaces(name)
 
 
@@ -320,6 +325,14 @@ class SlowNetwork:
         for name in self.namespaces[1:]:
             _run([ip, "netns", "add", name])
             self._created.append(name)
+        # Like on a real machine, this host's name resolves to its own address inside
+        # it (on this machine it resolves to 127.0.0.1, which peers cannot reach:
+        # Horovod's Gloo, for one, advertises that address).
+        hostname = socket.gethostname()
+        for ep in self.hosts:
+            (ETC_NETNS / ep.namespace).mkdir(parents=True, exist_ok=True)
+            (ETC_NETNS / ep.namespace / "hosts").write_text(
+                f"127.0.0.1\tlocalhost\n{ep.address}\t{hostname}\n")
         probe = _run([ip, "netns", "exec", self.namespaces[0], "true"], check=False)
         if probe.returncode != 0:
             raise NetnsUnavailable(f"`ip netns exec` failed: {probe.stderr.strip()}")

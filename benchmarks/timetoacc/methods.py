@@ -1,0 +1,189 @@
+"""How each method wraps a model and its optimizer, and what it reports.
+
+Names:
+    ddp-fp32, ddp-fp16, ddp-powersgd-r1, ddp-powersgd-r4   PyTorch DDP and its comm hooks
+    horovod-fp32, horovod-fp16                             Horovod 0.28.1 (Gloo), Compression.fp16
+    cgx-<bits>bit[-ef][-sfb][-flat]                        cgx's DistributedOptimizer, quantized;
+        -ef error feedback, -sfb fully connected layers as sufficient factors,
+        -flat no hierarchical reduction on 2 hosts x 2 ranks (the default there is hierarchical)
+    cgx-auto                                               compression="auto" (per-layer levels)
+
+Every method reports the bytes it accounts for (cgx: its own statistics;
+the others: the ring-allreduce formula of what they send), next to what the
+network interface really carried (measured by the caller).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Callable, Optional
+
+DEFAULT_METHODS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd-r1", "ddp-powersgd-r4", "horovod-fp32",
+                   "horovod-fp16", "cgx-8bit", "cgx-4bit", "cgx-2bit-ef", "cgx-auto",
+                   "cgx-4bit-sfb")
+POWERSGD_START = 10  # exact allreduce for the first steps (PyTorch's start_powerSGD_iter)
+_CGX = re.compile(r"^cgx-(?:(?P<bits>[1-8])bit(?P<flags>(?:-ef|-sfb|-flat)*)|auto(?P<aflags>(?:-flat)*))$")
+_FIXED = {"ddp-fp32", "ddp-fp16", "ddp-powersgd-r1", "ddp-powersgd-r4", "horovod-fp32",
+          "horovod-fp16"}
+
+
+def check(name: str) -> str:
+    """The name, if it is a method; ValueError naming the choices otherwise."""
+    if name in _FIXED or _CGX.match(name):
+        return name
+    raise ValueError(f"unknown method {name!r}; choose from {sorted(_FIXED)}, "
+                     "cgx-<1..8>bit[-ef][-sfb][-flat] or cgx-auto[-flat]")
+
+
+def family(name: str) -> str:
+    return name.split("-")[0]
+
+
+@dataclasses.dataclass
+class Setup:
+    module: object  # what the forward pass calls (a DDP wrapper or the model)
+    optimizer: object
+    accounted_bytes: Callable[[int], float]  # steps done -> bytes this rank sent, by the method's count
+    compression_seconds: Callable[[], float] = lambda: 0.0
+    close: Callable[[], None] = lambda: None
+    plan: Callable[[], Optional[str]] = lambda: None  # cgx-auto: the current per-layer plan
+    barrier: Optional[Callable[[], None]] = None  # None: torch.distributed's
+    note: str = ""
+
+
+def _ring(nbytes: float, world: int) -> float:
+    return 2 * (world - 1) / world * nbytes
+
+
+def _powersgd_values(model, rank: int, min_rate: float = 2.0) -> int:
+    """Values one PowerSGD step allreduces (PyTorch's hook: P and Q per compressed matrix)."""
+    total = 0
+    for p in model.parameters():
+        if p.dim() < 2:
+            total += p.numel()
+            continue
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        low = (n + m) * min(rank, n, m)
+        total += low if low * min_rate < n * m else p.numel()
+    return total
+
+
+def build(name: str, model, make_optimizer, world: int) -> Setup:
+    check(name)
+    params = sum(p.numel() for p in model.parameters())
+    if name.startswith("ddp"):
+        return _ddp(name, model, make_optimizer, world, params)
+    if name.startswith("horovod"):
+        return _horovod(name, model, make_optimizer, world, params)
+    return _cgx(name, model, make_optimizer)
+
+
+def _ddp(name, model, make_optimizer, world, params) -> Setup:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    if name.startswith("ddp-powersgd"):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+        r = int(name.rsplit("-r", 1)[1])
+        # PyTorch's PowerSGD hook issues its collectives in a different order on
+        # different ranks when several buckets are in flight (Gloo then fails with
+        # "Received data size doesn't match expected size"); one bucket avoids it.
+        ddp = DDP(model, bucket_cap_mb=1024)
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=r,
+                                 start_powerSGD_iter=POWERSGD_START, min_compression_rate=2,
+                                 use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, ps.powerSGD_hook)
+        low = _powersgd_values(model, r)
+
+        def accounted(steps: int) -> float:
+            exact = min(steps, POWERSGD_START)
+            return _ring(4 * (exact * params + (steps - exact) * low), world)
+
+        return Setup(ddp, make_optimizer(ddp.parameters()), accounted,
+                     note=f"rank {r}, error feedback, warm start, exact for {POWERSGD_START} steps")
+    ddp = DDP(model)
+    width = 4
+    if name == "ddp-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        width = 2
+    return Setup(ddp, make_optimizer(ddp.parameters()),
+                 lambda steps: _ring(width * params * steps, world))
+
+
+def _horovod(name, model, make_optimizer, world, params) -> Setup:
+    """Horovod's own Gloo controller, its rendezvous served by rank 0 (as horovodrun does).
+
+    Once Horovod's library is loaded, torch.distributed's Gloo must not be used
+    in the process any more (both carry a Gloo and the symbols clash: torch's
+    next collective connects to the wrong address), so Horovod's own barrier
+    synchronizes the ranks from then on.
+    """
+    import torch
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    host, hosts = int(os.environ.get("GROUP_RANK", rank)), int(os.environ.get("GROUP_WORLD_SIZE", world))
+    port = torch.zeros(1, dtype=torch.int64)
+    server = None
+    if rank == 0:
+        from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+        from horovod.runner.http.http_server import RendezvousServer
+        server = RendezvousServer()
+        port[0] = server.start()
+        server.init(get_host_assignments(
+            parse_hosts(",".join(f"host{h}:{local_size}" for h in range(hosts))), world))
+    dist.broadcast(port, 0)
+    os.environ.update(
+        HOROVOD_GLOO_RENDEZVOUS_ADDR=os.environ["MASTER_ADDR"],
+        HOROVOD_GLOO_RENDEZVOUS_PORT=str(int(port)), HOROVOD_CONTROLLER="gloo",
+        HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE=os.environ["GLOO_SOCKET_IFNAME"],
+        HOROVOD_HOSTNAME=f"host{host}", HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(world),
+        HOROVOD_LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"), HOROVOD_LOCAL_SIZE=str(local_size),
+        HOROVOD_CROSS_RANK=str(host), HOROVOD_CROSS_SIZE=str(hosts))
+    import horovod.torch as hvd
+    hvd.init()
+    fp16 = name == "horovod-fp16"
+    opt = hvd.DistributedOptimizer(
+        make_optimizer(model.parameters()), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none)
+
+    def close():
+        hvd.shutdown()
+        if server is not None:
+            server.stop()
+
+    return Setup(model, opt, lambda steps: _ring((2 if fp16 else 4) * params * steps, world),
+                 close=close, barrier=hvd.barrier)
+
+
+def _cgx(name, model, make_optimizer) -> Setup:
+    m = _CGX.match(name)
+    flags = (m.group("flags") or m.group("aflags") or "").split("-")
+    if "flat" in flags:
+        os.environ["CGX_HIERARCHICAL"] = "off"
+    import cgx.torch as hvd
+    hvd.init()
+    if m.group("bits"):
+        comp = hvd.Compression.quantize(bits=int(m.group("bits")), error_feedback="ef" in flags)
+    else:
+        comp = hvd.Compression.auto(alpha=1.0, window=10, adjust_every=50)
+    opt = hvd.DistributedOptimizer(make_optimizer(model.parameters()),
+                                   named_parameters=model.named_parameters(), compression=comp,
+                                   sufficient_factors=model if "sfb" in flags else None)
+    start = hvd.stats()
+
+    def accounted(steps: int) -> float:
+        return hvd.stats().wire_bytes - start.wire_bytes
+
+    def compression_seconds() -> float:
+        now = hvd.stats().seconds
+        return sum(now.get(k, 0.0) - start.seconds.get(k, 0.0) for k in ("compress", "decompress"))
+
+    def plan() -> Optional[str]:
+        if m.group("bits"):
+            return None
+        from cgx.adaptive import format_plan
+        return format_plan(opt.compression_plan())
+
+    return Setup(model, opt, accounted, compression_seconds, plan=plan)

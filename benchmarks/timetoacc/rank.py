@@ -1,0 +1,103 @@
+"""One rank of one training run (called in every rank by ``SlowNetwork.run_function``)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import resource
+import statistics
+import time
+from typing import Any
+
+from benchmarks.timetoacc import methods, workloads
+
+
+def _tx_bytes() -> int:
+    """Bytes this host's link has sent (the veth the rank's traffic leaves by)."""
+    with open(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def _compute_only(work, steps: int) -> float:
+    """Median seconds of a forward/backward/update on a copy of the model, no communication."""
+    model = copy.deepcopy(work.model)
+    opt = work.optimizer(model.parameters())
+    times = []
+    for s in range(steps):
+        batch = work.train_batch(s)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        work.loss_fn(model, batch).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:] if len(times) > 2 else times)
+
+
+def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0,
+          tiny: bool = False, warmup: int = 3) -> dict[str, Any]:
+    """Train ``steps`` steps with ``method``; rank 0 evaluates every ``eval_every`` steps.
+
+    The clock (``train_s``) runs during training steps only: evaluation and the
+    barriers around it are left out. Returns this rank's record.
+    """
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    work = workloads.make(workload, rank, world, seed, tiny=tiny)
+    compute_s = _compute_only(work, 3 if tiny else 6)
+    setup = methods.build(method, work.model, work.optimizer, world)
+    barrier = setup.barrier or dist.barrier
+    curve = []
+
+    def evaluate(step: int, clock: float) -> None:
+        if rank == 0:
+            res = work.evaluate(work.model)
+            curve.append({"step": step, "train_s": clock, "samples": step * work.samples_per_batch * world,
+                          **res})
+        barrier()
+
+    barrier()
+    evaluate(0, 0.0)
+    tx0 = _tx_bytes()
+    clock, times, train_losses = 0.0, [], []
+    for step in range(1, steps + 1):
+        batch = work.train_batch(step - 1)
+        t0 = time.perf_counter()
+        setup.optimizer.zero_grad()
+        loss = work.loss_fn(setup.module, batch)
+        loss.backward()
+        setup.optimizer.step()
+        dt = time.perf_counter() - t0
+        clock += dt
+        times.append(dt)
+        train_losses.append(float(loss))
+        if step % eval_every == 0 or step == steps:
+            evaluate(step, clock)
+    barrier()
+    tx = _tx_bytes() - tx0
+    accounted = setup.accounted_bytes(steps)
+    compression = setup.compression_seconds()
+    plan = setup.plan()
+    setup.close()
+    timed = times[warmup:] if len(times) > warmup else times
+    step_s = statistics.mean(timed)
+    return {
+        "method": method, "workload": workload, "rank": rank, "world": world, "seed": seed,
+        "steps": steps, "samples_per_step": work.samples_per_batch * world,
+        "samples_trained": steps * work.samples_per_batch * world,
+        "params": sum(p.numel() for p in work.model.parameters()),
+        "step_s": step_s, "compute_s": compute_s,
+        "compression_s": compression / steps,
+        "exposed_comm_s": max(0.0, step_s - compute_s - compression / steps),
+        "train_s": clock, "samples_per_s": work.samples_per_batch * world / step_s,
+        # The host's link is shared by its ranks: each gets its share.
+        "link_bytes_per_step": tx / steps / local_size if local_rank == 0 else None,
+        "accounted_bytes_per_step": accounted / steps,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "train_loss_finite": all(math.isfinite(v) for v in train_losses),
+        "curve": curve, "plan": plan, "note": setup.note,
+    }
