@@ -36,7 +36,7 @@ class Size:
     text_chars: int = 4_000_000  # lm: characters of standard-library source read
 
 
-FULL = {"cnn": Size(width=2048, batch=32), "lm": Size(width=128, batch=16)}
+FULL = {"cnn": Size(width=4096, batch=32), "lm": Size(width=128, batch=16, vocab=4096)}
 TINY = {"cnn": Size(width=64, batch=8),
         "lm": Size(width=32, batch=4, seq=16, vocab=512, layers=1, text_chars=200_000)}
 

@@ -1,0 +1,153 @@
+"""Tables and plots from the run records (one record per workload, topology, link, seed, method)."""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+from typing import Any, Iterable, Optional
+
+Record = dict[str, Any]
+BASELINE = "ddp-fp32"
+
+
+def scenario(r: Record) -> tuple:
+    return (r["workload"], r["topology"], r["rate"], r["seed"])
+
+
+def scenario_title(key: tuple) -> str:
+    workload, topology, rate, seed = key
+    link = "unshaped" if rate == "none" else rate.replace("gbit", " Gbit/s")
+    ranks = "2 hosts x 2 ranks" if topology == "2x2" else f"{topology} ranks"
+    return f"{workload}, {ranks}, {link}, seed {seed}"
+
+
+def target_loss(records: list[Record], slack: float) -> Optional[float]:
+    """(1 + slack) x the final validation loss of the exact baseline (DDP fp32, else Horovod fp32)."""
+    for name in (BASELINE, "horovod-fp32"):
+        for r in records:
+            if r["method"] == name and "curve" in r:
+                return r["curve"][-1]["loss"] * (1 + slack)
+    return None
+
+
+def time_to(curve: list[dict], target: Optional[float]) -> tuple[Optional[float], Optional[int]]:
+    """Training seconds and steps until the validation loss first reaches ``target``."""
+    if target is None:
+        return None, None
+    for point in curve:
+        if point["loss"] <= target:
+            return point["train_s"], point["step"]
+    return None, None
+
+
+def _f(value: Optional[float], fmt: str, none: str = "-") -> str:
+    return none if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+
+def scenario_table(records: list[Record], slack: float) -> tuple[list[str], dict[str, Any]]:
+    """Markdown lines for one scenario, and the time-to-target per method."""
+    target = target_loss(records, slack)
+    base = next((r for r in records if r["method"] == BASELINE and "curve" in r), None)
+    base_t = time_to(base["curve"], target)[0] if base else None
+    lines = [f"Target: validation loss <= {_f(target, '.4f')} ({100 * slack:.0f}% above DDP fp32's final "
+             "loss).", "",
+             "| method | samples/s | s/step: compute + exposed comm + compression | MB/step/rank "
+             "(link / counted) | peak RSS MB | final val loss | final val acc | time to target "
+             "| vs DDP fp32 |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    reached = {}
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['method']} | failed: {r['error']} |  |  |  |  |  |  |  |")
+            continue
+        t, steps = time_to(r["curve"], target)
+        reached[r["method"]] = t
+        final = r["curve"][-1]
+        link = _f(r["link_bytes_per_step"] / 1e6 if r["link_bytes_per_step"] else None, ".2f")
+        split = (f"{r['step_s']:.3f}: {r['compute_s']:.3f} + {r['exposed_comm_s']:.3f} + "
+                 f"{r['compression_s']:.3f}")
+        speed = f"{base_t / t:.2f}x" if base_t and t else "-"
+        lines.append(
+            f"| {r['method']} | {r['samples_per_s']:.0f} | {split} | "
+            f"{link} / {r['accounted_bytes_per_step'] / 1e6:.2f} | {r['peak_rss_bytes'] / 2**20:.0f} | "
+            f"{final['loss']:.4f} | {_f(final['accuracy'] and 100 * final['accuracy'], '.1f')} | "
+            f"{_f(t, '.1f', 'not reached')}{' s' if t is not None else ''}"
+            f"{f' ({steps} steps)' if steps is not None else ''} | {speed} |")
+    return lines, {"target_loss": target, "time_to_target_s": reached}
+
+
+def study_table(records: list[Record]) -> list[str]:
+    """Mean and spread over seeds of the final validation loss/accuracy, per workload and method."""
+    groups: dict[tuple, list[Record]] = collections.defaultdict(list)
+    for r in records:
+        if "curve" in r:
+            groups[(r["workload"], r["method"])].append(r)
+    lines = ["| workload | method | seeds | final val loss (mean +- sd) | vs fp32 | final val acc "
+             "(mean +- sd) | vs fp32 (points) | holds the target? |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for workload in sorted({w for w, _ in groups}):
+        base = groups.get((workload, BASELINE))
+        base_loss = statistics.mean(r["curve"][-1]["loss"] for r in base) if base else None
+        accs = [r["curve"][-1]["accuracy"] for r in base or [] if r["curve"][-1]["accuracy"] is not None]
+        base_acc = statistics.mean(accs) if accs else None
+        for (w, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] != BASELINE, kv[0][1])):
+            if w != workload:
+                continue
+            losses = [r["curve"][-1]["loss"] for r in rs]
+            acc = [r["curve"][-1]["accuracy"] for r in rs if r["curve"][-1]["accuracy"] is not None]
+            mean_loss = statistics.mean(losses)
+            d_loss = (mean_loss / base_loss - 1) if base_loss else None
+            mean_acc = statistics.mean(acc) if acc else None
+            d_acc = 100 * (mean_acc - base_acc) if mean_acc is not None and base_acc is not None else None
+            # Target: within 0.5 accuracy points, or within 2% validation loss.
+            holds = "-" if method == BASELINE or d_loss is None else (
+                "yes" if (d_acc is not None and d_acc >= -0.5) or d_loss <= 0.02 else "no")
+            sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
+            lines.append(
+                f"| {workload} | {method} | {len(rs)} | {mean_loss:.4f} +- {sd(losses):.4f} | "
+                f"{_f(d_loss and 100 * d_loss, '+.1f')}{'%' if d_loss is not None else ''} | "
+                f"{_f(mean_acc and 100 * mean_acc, '.1f')}{(' +- %.1f' % (100 * sd(acc))) if acc else ''} | "
+                f"{_f(d_acc, '+.1f')} | {holds} |")
+    return lines
+
+
+def plot_scenario(records: list[Record], target: Optional[float], title: str, path: str) -> None:
+    """Validation loss versus training wall time (one curve per method) and throughput bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if "curve" in r]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    for r in ok:
+        xs = [p["train_s"] for p in r["curve"]]
+        ys = [p["loss"] for p in r["curve"]]
+        style = "-" if r["method"].startswith("cgx") else "--"
+        ax.plot(xs, ys, style, label=r["method"], lw=1.4)
+    if target is not None:
+        ax.axhline(target, color="k", lw=0.8, ls=":", label="target")
+    ax.set(xlabel="training wall time, s (evaluation excluded)", ylabel="validation loss",
+           title=title)
+    ax.set_yscale("log")
+    ax.legend(fontsize=7, ncol=2)
+    names = [r["method"] for r in ok]
+    rates = [r["samples_per_s"] for r in ok]
+    colors = ["#1f77b4" if n.startswith("cgx") else "#2ca02c" if n.startswith("horovod") else "#ff7f0e"
+              for n in names]
+    bx.barh(names, rates, color=colors)
+    for i, v in enumerate(rates):
+        bx.text(v, i, f" {v:.0f}", va="center", fontsize=7)
+    bx.invert_yaxis()
+    bx.set(xlabel="samples/s (all ranks; higher is better)")
+    bx.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def by_scenario(records: Iterable[Record]) -> dict[tuple, list[Record]]:
+    out: dict[tuple, list[Record]] = collections.OrderedDict()
+    for r in records:
+        out.setdefault(scenario(r), []).append(r)
+    return out
