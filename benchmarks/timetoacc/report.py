@@ -65,7 +65,8 @@ def scenario_table(records: list[Record], slack: float) -> tuple[list[str], dict
         reached[r["method"]] = t
         final = r["curve"][-1]
         link = _f(r["link_bytes_per_step"] / 1e6 if r["link_bytes_per_step"] else None, ".2f")
-        split = (f"{r['step_s']:.3f}: {r['compute_s']:.3f} + {r['exposed_comm_s']:.3f} + "
+        exposed = max(0.0, r["step_s"] - r["compute_s"] - r["compression_s"])
+        split = (f"{r['step_s']:.3f}: {r['compute_s']:.3f} + {exposed:.3f} + "
                  f"{r['compression_s']:.3f}")
         speed = f"{base_t / t:.2f}x" if base_t and t else "-"
         lines.append(
