@@ -1,0 +1,24 @@
+"""Which strategy each gradient travels with: a cost model, a step simulator, a greedy planner.
+
+Reference: Z. Wang, H. Lin, Y. Zhu, T. S. E. Ng, "ByteComp: Revisiting Gradient Compression
+in Distributed Training" (Espresso), EuroSys 2023: compressing a tensor whose communication
+already hides under computation gains nothing and costs compute; predict the step's timeline
+from an alpha-beta network model, measured compression throughput and the backward's
+gradient-ready times, then give each tensor (largest first) the option with the lowest
+simulated step time.
+
+* :mod:`cgx.planner.costs`: the alpha-beta model per collective, compressor throughput,
+  and every option a tensor has (exact, fp16, SRA or allgather of 2..8-bit codes,
+  sufficient factors for a fully connected layer when Poseidon's rule allows).
+* :mod:`cgx.planner.simulator`: one step's timeline for a choice of options and fusion
+  groups (pure Python, O(groups)).
+* :mod:`cgx.planner.strategy`: the planner (pruning, greedy, fusion boundaries) and the
+  per-tensor table of its decisions.
+"""
+
+from cgx.planner.costs import AlphaBeta, Collective, CostModel, Option, TensorProfile, options_for
+from cgx.planner.simulator import Timeline, simulate
+from cgx.planner.strategy import Plan, format_plan, plan
+
+__all__ = ["AlphaBeta", "Collective", "CostModel", "Option", "TensorProfile", "options_for",
+           "Timeline", "simulate", "Plan", "format_plan", "plan"]

@@ -1,0 +1,90 @@
+"""One training step's timeline for a given strategy (pure Python, O(fusion groups)).
+
+The model, kept small enough to be evaluated thousands of times per plan:
+
+* backward produces tensor ``t`` at ``t.ready_s`` and ends at ``backward_s``;
+* a fusion group starts when its last tensor is ready; its tensors that share an option
+  travel together (one call per collective: one ``alpha``, the bytes summed), options
+  differing within a group make separate calls;
+* three lanes, each first-come first-served in group order: compression (the engine
+  thread), the network, decompression;
+* the step ends when backward and every group's decompression are done, plus ``tail_s``
+  (the optimizer update).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from cgx.planner.costs import CostModel, Option, TensorProfile
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupCost:
+    ready: float
+    compress: float
+    comm: float
+    decompress: float
+
+
+def group_cost(members: Sequence[int], tensors: Sequence[TensorProfile],
+               choice: Sequence[Option], model: CostModel) -> GroupCost:
+    ready = max(tensors[i].ready_s for i in members) if members else 0.0
+    comp = dec = 0.0
+    calls: dict[tuple, int] = {}
+    for i in members:
+        opt = choice[i]
+        comp += opt.compress_s
+        dec += opt.decompress_s
+        for kind, nbytes in opt.wire:
+            calls[(opt.name, kind)] = calls.get((opt.name, kind), 0) + nbytes
+    comm = sum(model.comm(kind, nbytes) for (_, kind), nbytes in calls.items())
+    return GroupCost(ready, comp, comm, dec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """Predicted step: its length, and per group (compress start, comm end, decompress end)."""
+
+    step_s: float
+    backward_s: float
+    tail_s: float
+    groups: tuple[tuple[float, float, float], ...]
+
+    @property
+    def exposed_s(self) -> float:
+        """Time the step waits for communication after backward."""
+        return self.step_s - self.backward_s - self.tail_s
+
+
+Lanes = tuple[float, float, float]  # when compression, network and decompression are free
+
+
+def advance(lanes: Lanes, g: GroupCost) -> tuple[Lanes, tuple[float, float, float]]:
+    """Run one group through the three lanes."""
+    cpu, net, dec = lanes
+    c0 = max(g.ready, cpu)
+    c1 = c0 + g.compress
+    n1 = max(c1, net) + g.comm
+    d1 = max(n1, dec) + g.decompress
+    return (c1, n1, d1), (c0, n1, d1)
+
+
+def finish(lanes: Lanes, backward_s: float, tail_s: float) -> float:
+    return max(backward_s, lanes[1], lanes[2]) + tail_s
+
+
+def simulate(tensors: Sequence[TensorProfile], choice: Sequence[Option],
+             groups: Sequence[Sequence[int]], model: CostModel, backward_s: float,
+             tail_s: float = 0.0) -> Timeline:
+    """The predicted step for ``choice[i]`` per tensor and ``groups`` (lists of tensor indices,
+    in the order they are launched)."""
+    if len(choice) != len(tensors):
+        raise ValueError(f"{len(choice)} options for {len(tensors)} tensors")
+    lanes: Lanes = (0.0, 0.0, 0.0)
+    spans = []
+    for members in groups:
+        lanes, span = advance(lanes, group_cost(members, tensors, choice, model))
+        spans.append(span)
+    return Timeline(finish(lanes, backward_s, tail_s), backward_s, tail_s, tuple(spans))

@@ -1,0 +1,270 @@
+"""The planner: per tensor, the option with the lowest simulated step time; fusion boundaries.
+
+1. Tensors are launched in gradient-ready order and cut into fusion groups at a byte
+   threshold; a few thresholds are tried and the best plan kept.
+2. Tensors are visited largest first; options beaten by another on both compute and
+   network time are not tried.
+3. Each tensor gets the option that gives the shortest simulated step, the rest fixed.
+   An option must be strictly better to replace the current one, so a tensor whose
+   exchange hides under backward stays exact (Espresso's pruning, as a consequence:
+   compressing it buys no time, so it gets no compression error). Whether a tensor
+   hides is judged in the whole timeline, not alone: its traffic may delay others.
+
+Changing one tensor changes one group's cost. The lanes before each group and, folded
+into one max-plus functional, the effect of the groups after it are kept (and
+refreshed lazily after a change), so trying an option costs O(1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional, Sequence
+
+from cgx.planner.costs import DEFAULT_BITS, CostModel, Option, TensorProfile, options_for
+from cgx.planner.simulator import GroupCost, Lanes, Timeline, advance, finish, simulate
+
+DEFAULT_FUSION_MB = (4.0, 16.0, 64.0)
+
+
+def fusion_groups(tensors: Sequence[TensorProfile], order: Sequence[int],
+                  fusion_bytes: float) -> list[list[int]]:
+    """Consecutive tensors (in ``order``) until their float32 bytes reach ``fusion_bytes``."""
+    groups, cur, size = [], [], 0
+    for i in order:
+        cur.append(i)
+        size += 4 * tensors[i].numel
+        if size >= fusion_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+class _Group:
+    """A fusion group's cost, updatable one tensor at a time.
+
+    Communication is ``sum(alpha)`` over its calls (one per option and collective in use)
+    plus ``beta x bytes`` of every member: a swap changes the linear part by the two
+    options' difference and the alphas only where a call appears or disappears.
+    """
+
+    __slots__ = ("ready", "compress", "decompress", "comm", "users", "alpha")
+
+    def __init__(self, members, tensors, choice, model):
+        self.alpha = {kind: ab.alpha for kind, ab in model.links.items()}
+        self.ready = max(tensors[i].ready_s for i in members)
+        self.compress = sum(choice[i].compress_s for i in members)
+        self.decompress = sum(choice[i].decompress_s for i in members)
+        self.users: dict[tuple, int] = {}  # (option name, collective) -> members using that call
+        self.comm = 0.0
+        for i in members:
+            self.swap(None, choice[i])
+
+    def _comm_delta(self, old: Optional[Option], new: Option) -> float:
+        delta = new.linear_s - (old.linear_s if old is not None else 0.0)
+        users, alpha = self.users, self.alpha
+        if old is not None:
+            for key in old.calls:
+                if users[key] == 1:
+                    delta -= alpha[key[1]]
+        for key in new.calls:
+            if not users.get(key):
+                delta += alpha[key[1]]
+        return delta
+
+    def cost(self) -> GroupCost:
+        return GroupCost(self.ready, self.compress, self.comm, self.decompress)
+
+    def with_swap(self, old: Option, new: Option) -> GroupCost:
+        return GroupCost(self.ready, self.compress - old.compress_s + new.compress_s,
+                         self.comm + self._comm_delta(old, new),
+                         self.decompress - old.decompress_s + new.decompress_s)
+
+    def swap(self, old: Optional[Option], new: Option) -> None:
+        self.comm += self._comm_delta(old, new)
+        users = self.users
+        if old is not None:
+            for key in old.calls:
+                users[key] -= 1
+            self.compress -= old.compress_s
+            self.decompress -= old.decompress_s
+        for key in new.calls:
+            users[key] = users.get(key, 0) + 1
+        self.compress += new.compress_s
+        self.decompress += new.decompress_s
+
+
+@dataclasses.dataclass
+class Plan:
+    """The planner's decision: an option per tensor, the fusion groups, the predicted step."""
+
+    tensors: list[TensorProfile]
+    options: list[list[Option]]  # per tensor, the options considered (exact first)
+    choice: list[int]  # per tensor, the index of its option in ``options``
+    groups: list[list[int]]
+    fusion_bytes: float
+    timeline: Timeline
+    model: CostModel
+    backward_s: float
+    tail_s: float
+    decision_s: float  # seconds the planner took
+
+    @property
+    def chosen(self) -> list[Option]:
+        return [opts[c] for opts, c in zip(self.options, self.choice)]
+
+    @property
+    def step_s(self) -> float:
+        return self.timeline.step_s
+
+    def alternatives(self, i: int) -> list[tuple[str, float]]:
+        """Predicted step time if tensor ``i`` took each of its options, the rest as planned."""
+        chosen = self.chosen
+        out = []
+        for opt in self.options[i]:
+            trial = list(chosen)
+            trial[i] = opt
+            out.append((opt.name, simulate(self.tensors, trial, self.groups, self.model,
+                                           self.backward_s, self.tail_s).step_s))
+        return out
+
+
+NEG = float("-inf")
+# F(lanes) = max(k, a + compress_free, b + network_free, e + decompress_free): the step's end
+# as a function of the lanes before a group. `advance` is max-plus linear in the lanes, so
+# the groups after any point fold into one such functional.
+Functional = tuple[float, float, float, float]
+
+
+def _terminal(backward_s: float, tail_s: float) -> Functional:
+    return (backward_s + tail_s, NEG, tail_s, tail_s)
+
+
+def _compose(g: GroupCost, f: Functional) -> Functional:
+    """The functional of ``g`` followed by ``f``."""
+    k, a, b, e = f
+    cc = g.compress + g.comm
+    ccd = cc + g.decompress
+    cd = g.comm + g.decompress
+    return (max(k, a + g.ready + g.compress, b + g.ready + cc, e + g.ready + ccd),
+            max(a + g.compress, b + cc, e + ccd), max(b + g.comm, e + cd), e + g.decompress)
+
+
+def _apply(f: Functional, lanes: Lanes) -> float:
+    return max(f[0], f[1] + lanes[0], f[2] + lanes[1], f[3] + lanes[2])
+
+
+def _dominated(opts: list[Option], model: CostModel) -> list[int]:
+    """Indices of the options to try: exact, and any option no other beats on both
+    compute and (uncontended) network time."""
+    cost = [(o.compress_s + o.decompress_s, sum(model.comm(k, b) for k, b in o.wire)) for o in opts]
+    keep = [0]
+    for j in range(1, len(opts)):
+        cj, nj = cost[j]
+        if not any((ci <= cj and ni <= nj) and (ci < cj or ni < nj or i < j)
+                   for i, (ci, ni) in enumerate(cost) if i != j):
+            keep.append(j)
+    return keep
+
+
+def _greedy(tensors, options, tries_of, groups, model, backward_s,
+            tail_s) -> tuple[list[int], float]:
+    G = len(groups)
+    choice = [0] * len(tensors)
+    current = [opts[0] for opts in options]
+    where = {i: g for g, members in enumerate(groups) for i in members}
+    state = [_Group(members, tensors, current, model) for members in groups]
+    costs = [grp.cost() for grp in state]
+    prefix: list[Lanes] = [(0.0, 0.0, 0.0)] * (G + 1)
+    suffix: list[Functional] = [_terminal(backward_s, tail_s)] * (G + 1)  # suffix[g]: groups g..
+    for g in range(G):
+        prefix[g + 1] = advance(prefix[g], costs[g])[0]
+    for g in range(G - 1, -1, -1):
+        suffix[g] = _compose(costs[g], suffix[g + 1])
+    valid_prefix, valid_suffix = G, 0  # prefix[..valid_prefix] and suffix[valid_suffix..] hold
+    best = _apply(suffix[0], prefix[0])
+
+    for i in sorted(range(len(tensors)), key=lambda k: -tensors[k].numel):
+        tries = [j for j in tries_of[i] if j != choice[i]]
+        if not tries:
+            continue
+        g = where[i]
+        while valid_prefix < g:
+            prefix[valid_prefix + 1] = advance(prefix[valid_prefix], costs[valid_prefix])[0]
+            valid_prefix += 1
+        while valid_suffix > g + 1:
+            valid_suffix -= 1
+            suffix[valid_suffix] = _compose(costs[valid_suffix], suffix[valid_suffix + 1])
+        grp = state[g]
+        pick, pick_t = choice[i], best
+        for j in tries:
+            lanes = advance(prefix[g], grp.with_swap(current[i], options[i][j]))[0]
+            t = _apply(suffix[g + 1], lanes)
+            if t < pick_t * (1 - 1e-9):
+                pick, pick_t = j, t
+        if pick != choice[i]:
+            grp.swap(current[i], options[i][pick])
+            current[i], choice[i], best = options[i][pick], pick, pick_t
+            costs[g] = grp.cost()
+            valid_prefix = min(valid_prefix, g)
+            valid_suffix = max(valid_suffix, g + 1)
+    return choice, best
+
+
+def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, *,
+         tail_s: float = 0.0, fusion_mb: Sequence[float] = DEFAULT_FUSION_MB,
+         bits: Sequence[int] = DEFAULT_BITS, families: Optional[Sequence[str]] = None) -> Plan:
+    """Choose every tensor's option and the fusion threshold with the shortest predicted step.
+
+    Args:
+        tensors: the gradients, with ready times from backward's start.
+        model: the cost model (see :class:`CostModel`; calibrated or assumed).
+        backward_s: backward's length.
+        tail_s: work after the exchange (the optimizer update).
+        fusion_mb: fusion thresholds to try, in MB of float32.
+        bits / families: the options offered (see :func:`options_for`).
+    """
+    t0 = time.perf_counter()
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("plan() needs at least one tensor")
+    if not fusion_mb:
+        raise ValueError("fusion_mb needs at least one threshold (MB of float32 per group)")
+    options = [options_for(t, model, bits=bits, families=families) for t in tensors]
+    order = sorted(range(len(tensors)), key=lambda i: tensors[i].ready_s)
+    tries_of = [_dominated(opts, model) for opts in options]
+    best = None
+    for mb in fusion_mb:
+        groups = fusion_groups(tensors, order, mb * 1e6)
+        choice, step = _greedy(tensors, options, tries_of, groups, model, backward_s, tail_s)
+        if best is None or step < best[0] * (1 - 1e-9):
+            best = (step, choice, groups, mb * 1e6)
+    _, choice, groups, fusion_bytes = best
+    chosen = [opts[c] for opts, c in zip(options, choice)]
+    timeline = simulate(tensors, chosen, groups, model, backward_s, tail_s)
+    return Plan(tensors, options, choice, groups, fusion_bytes, timeline, model, backward_s,
+                tail_s, time.perf_counter() - t0)
+
+
+def format_plan(p: Plan, limit: Optional[int] = None) -> str:
+    """A markdown table: per tensor, the chosen option, its bytes, and the predicted step time
+    of each alternative (the rest of the plan fixed)."""
+    lines = [f"Predicted step {1e3 * p.step_s:.1f} ms (backward {1e3 * p.backward_s:.1f} ms, "
+             f"exposed communication {1e3 * p.timeline.exposed_s:.1f} ms), "
+             f"{len(p.groups)} fusion groups of <= {p.fusion_bytes / 1e6:g} MB, "
+             f"decided in {1e3 * p.decision_s:.1f} ms", "",
+             "| tensor | values | ready ms | chosen | MB sent | step ms with each option |",
+             "|---|---:|---:|---|---:|---|"]
+    order = sorted(range(len(p.tensors)), key=lambda i: -p.tensors[i].numel)
+    for i in order[:limit]:
+        t, opt = p.tensors[i], p.chosen[i]
+        alts = ", ".join(f"{name} {1e3 * s:.1f}" for name, s in p.alternatives(i))
+        lines.append(f"| {t.name} | {t.numel:,} | {1e3 * t.ready_s:.1f} | {opt.name} | "
+                     f"{opt.bytes_sent / 1e6:.2f} | {alts} |")
+    if limit is not None and len(order) > limit:
+        lines.append(f"| ({len(order) - limit} smaller tensors) | | | | | |")
+    return "\n".join(lines)
+
+
