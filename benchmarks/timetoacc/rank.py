@@ -64,8 +64,13 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
     evaluate(0, 0.0)
     tx0 = _tx_bytes()
     clock, times, train_losses = 0.0, [], []
+    # Cosine decay to zero over the run, the same for every method: the final losses are
+    # those of a finished schedule, not a snapshot of a noisy middle.
+    base_lr = [g["lr"] for g in setup.optimizer.param_groups]
     for step in range(1, steps + 1):
         batch = work.train_batch(step - 1)
+        for g, lr in zip(setup.optimizer.param_groups, base_lr):
+            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
         t0 = time.perf_counter()
         setup.optimizer.zero_grad()
         loss = work.loss_fn(setup.module, batch)
