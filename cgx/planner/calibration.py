@@ -1,0 +1,164 @@
+"""Measuring what the cost model needs, in seconds rather than minutes.
+
+* :func:`link_model`: alpha-beta per collective of the real transport (every rank calls
+  it, at the same point: it runs collectives). Two message sizes per collective; the
+  slowest rank's time of each, agreed with a MAX allreduce, so every rank fits the same
+  model and plans the same way.
+* :func:`compressor_throughput`: bytes of float32 per second through this device's
+  quantizer, both ways, and through an fp16 cast.
+* :func:`trace_backward`: per parameter, when backward produces its gradient (from the
+  start of backward), backward's length and the optimizer's; for ``nn.Linear`` weights
+  the batch rows the layer saw (what sufficient factors cost).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+
+from cgx.planner.costs import AlphaBeta, Collective, CostModel, TensorProfile
+
+
+def _timed(fn: Callable[[], None], reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _fit(small: tuple[int, float], large: tuple[int, float]) -> AlphaBeta:
+    (b0, t0), (b1, t1) = small, large
+    beta = max((t1 - t0) / max(b1 - b0, 1), 1e-13)
+    return AlphaBeta(max(t0 - beta * b0, 0.0), beta)
+
+
+def link_model(transport, sizes=(1 << 12, 1 << 22), reps: int = 3) -> dict[Collective, AlphaBeta]:
+    """Fit ``alpha + beta x bytes sent per rank`` for each collective of ``transport``."""
+    P = transport.size
+    dev = transport.device
+    if P == 1:
+        return {c: AlphaBeta(0.0, 0.0) for c in Collective}
+    measured: dict[Collective, list[tuple[int, float]]] = {c: [] for c in Collective}
+    for n in sizes:
+        chunk = max(8, n // P // 8 * 8)
+        a2a_in = torch.zeros(P * chunk, dtype=torch.uint8, device=dev)
+        a2a_out = torch.empty_like(a2a_in)
+        ag_in = torch.zeros(chunk, dtype=torch.uint8, device=dev)
+        ag_out = torch.empty(P * chunk, dtype=torch.uint8, device=dev)
+        ar = torch.zeros(max(1, n // 4), dtype=torch.float32, device=dev)
+        runs = {
+            Collective.ALLTOALL: ((P - 1) * chunk, lambda: transport.alltoall(a2a_out, a2a_in)),
+            Collective.ALLGATHER: ((P - 1) * chunk, lambda: transport.allgather(ag_out, ag_in)),
+            Collective.ALLREDUCE: (2 * (P - 1) * ar.numel() * 4 // P, lambda: transport.allreduce(ar)),
+        }
+        for kind, (sent, fn) in runs.items():
+            transport.barrier()
+            measured[kind].append((sent, _timed(fn, reps)))
+    # The slowest rank decides, and every rank fits the same numbers.
+    flat = torch.tensor([t for kind in Collective for _, t in measured[kind]], dtype=torch.float64,
+                        device=dev)
+    from cgx.comm.base import ReduceOp
+    transport.allreduce(flat, ReduceOp.MAX)
+    values = iter(flat.tolist())
+    out = {}
+    for kind in Collective:
+        pts = [(sent, next(values)) for sent, _ in measured[kind]]
+        out[kind] = _fit(pts[0], pts[-1])
+    return out
+
+
+def compressor_throughput(numel: int = 1 << 21, bits: int = 4, bucket_size: int = 1024,
+                          device: str = "cpu", reps: int = 3) -> dict[str, float]:
+    """Float32 bytes per second: ``compress_bps``, ``decompress_bps`` (with accumulation, as
+    the reduction runs it) and ``cast_bps`` (fp32 to fp16 and back, per direction)."""
+    from cgx.compression.quantization import QuantSpec, dequantize, quantize
+    x = torch.randn(numel, device=device)
+    spec = QuantSpec(bits=bits, bucket_size=bucket_size)
+    payload = quantize(x, spec)
+    acc = torch.zeros_like(x)
+    half = torch.empty(numel, dtype=torch.float16, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+
+    def q():
+        quantize(x, spec, out=payload)
+        sync()
+
+    def dq():
+        dequantize(payload, numel, spec, out=acc, accumulate=True)
+        sync()
+
+    def cast():
+        half.copy_(x)
+        acc.copy_(half)
+        sync()
+
+    n4 = 4 * numel
+    return {"compress_bps": n4 / _timed(q, reps), "decompress_bps": n4 / _timed(dq, reps),
+            "cast_bps": 2 * n4 / _timed(cast, reps)}
+
+
+def trace_backward(model: torch.nn.Module, step: Callable[[], torch.Tensor],
+                   optimizer: Optional[torch.optim.Optimizer] = None,
+                   steps: int = 3) -> tuple[list[TensorProfile], float, float]:
+    """Run ``steps`` local training steps and time them (no communication).
+
+    Args:
+        model: the model; its parameters with ``requires_grad`` are traced.
+        step: runs the forward pass and returns the loss (the caller's batch and loss).
+        optimizer: timed after backward (its ``step``), when given.
+
+    Returns:
+        (one :class:`TensorProfile` per traced parameter, in ``named_parameters`` order,
+        backward seconds, optimizer seconds); medians over the steps after the first.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    rows: dict[int, int] = {}
+    handles = []
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            def record(m, inputs, output):
+                x = inputs[0]
+                rows[id(m.weight)] = max(rows.get(id(m.weight), 0),
+                                         x.numel() // max(1, x.shape[-1]))
+            handles.append(mod.register_forward_hook(record))
+    ready: dict[str, list[float]] = {n: [] for n, _ in named}
+    t_start = [0.0]
+    for n, p in named:
+        handles.append(p.register_post_accumulate_grad_hook(
+            lambda _p, n=n: ready[n].append(time.perf_counter() - t_start[0])))
+    backward, update = [], []
+    try:
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            loss = step()
+            t_start[0] = time.perf_counter()
+            loss.backward()
+            backward.append(time.perf_counter() - t_start[0])
+            if optimizer is not None:
+                t0 = time.perf_counter()
+                optimizer.step()
+                update.append(time.perf_counter() - t0)
+    finally:
+        for h in handles:
+            h.remove()
+    keep = slice(1, None) if steps > 1 else slice(None)
+    profiles = []
+    for n, p in named:
+        times = ready[n][keep] or [0.0]
+        linear = p.dim() == 2 and id(p) in rows
+        profiles.append(TensorProfile(n, p.numel(), statistics.median(times),
+                                      tuple(p.shape) if linear else None,
+                                      rows.get(id(p)) if linear else None))
+    return (profiles, statistics.median(backward[keep]),
+            statistics.median(update[keep]) if update else 0.0)
+
+
+def cost_model(world: int, links: dict, throughput: dict) -> CostModel:
+    return CostModel(world, links, compress_bps=throughput["compress_bps"],
+                     decompress_bps=throughput["decompress_bps"], cast_bps=throughput["cast_bps"])

@@ -1,0 +1,79 @@
+"""cgx.planner.calibration and the command line, on this machine (one process) and on
+2 real ranks (the link model every rank agrees on)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cgx.planner import Collective
+from cgx.planner.calibration import compressor_throughput, link_model, trace_backward
+from spawn import run_gloo
+
+
+def _link_rank(rank, world):
+    import cgx.torch as hvd
+    from cgx import runtime
+    hvd.init()
+    links = link_model(runtime.transport(), sizes=(1 << 10, 1 << 23), reps=2)
+    return {k.value: (ab.alpha, ab.beta) for k, ab in links.items()}
+
+
+@pytest.mark.multiproc
+def test_link_model_is_the_same_on_every_rank():
+    a, b = run_gloo(_link_rank, 2)
+    assert a == b  # fitted from the slowest rank's times: every rank plans alike
+    assert set(a) == {c.value for c in Collective}
+    for alpha, beta in a.values():
+        # loopback: calls well under a second, and faster than 1 MB/s
+        assert 0 <= alpha < 1.0 and 0 < beta < 1e-6, a
+    # 8 MB per rank takes visibly longer than 1 kB (a real bandwidth was measured).
+    assert max(beta for _, beta in a.values()) > 1e-11, a
+
+
+def test_trace_backward_orders_gradients_as_backward_produces_them():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    x = torch.randn(12, 16)
+    tensors, backward_s, tail_s = trace_backward(
+        model, lambda: model(x).square().mean(), torch.optim.SGD(model.parameters(), lr=0.1))
+    assert [t.name for t in tensors] == [n for n, _ in model.named_parameters()]
+    weights = [t for t in tensors if t.name.endswith("weight")]
+    # Backward runs last layer first: its weight is ready first.
+    assert weights[2].ready_s <= weights[1].ready_s <= weights[0].ready_s <= backward_s
+    assert [(t.shape, t.rows) for t in weights] == [((64, 16), 12), ((64, 64), 12), ((4, 64), 12)]
+    assert all(t.shape is None for t in tensors if t.name.endswith("bias"))
+    assert tail_s > 0
+
+
+def test_compressor_throughput_is_measured():
+    tp = compressor_throughput(numel=1 << 16, reps=2)
+    assert set(tp) == {"compress_bps", "decompress_bps", "cast_bps"}
+    assert all(v > 1e6 for v in tp.values()), tp
+
+
+def test_command_line_prints_the_plan(tmp_path):
+    (tmp_path / "tinymodels.py").write_text(textwrap.dedent("""
+        import torch.nn as nn
+        def mlp():
+            return nn.Sequential(nn.Linear(32, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                                 nn.Linear(2048, 10))
+    """))
+    out = subprocess.run([sys.executable, "-m", "cgx.planner", "tinymodels:mlp", "--input", "8,32",
+                          "--world", "4", "--gbit", "1"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert "4 ranks at 1 Gbit/s" in out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 2.weight |")]
+    # The 2048 x 2048 layer at batch 8 on 4 ranks: factors are 32x smaller, and chosen.
+    assert len(rows) == 1 and "| sfb |" in rows[0], out.stdout
+    bad = subprocess.run([sys.executable, "-m", "cgx.planner", "nomodule:f", "--input", "2,3"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "cannot load 'nomodule:f'" in bad.stderr
