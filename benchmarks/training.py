@@ -11,7 +11,8 @@ Methods: ``compute`` (no communication: the floor), DDP fp32, DDP with
 PyTorch's ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 1, error feedback,
 warm start; run with a single DDP bucket, the only way it does not crash on
 Gloo here), cgx's DDP hook and cgx's ``DistributedOptimizer`` (both 4-bit, the
-defaults). Reports
+defaults), and ``cgx-planned`` (``Compression.planned()``: each tensor exact or
+4-bit, as ``cgx.planner`` predicts is fastest on the measured link). Reports
 seconds per step (mean over the timed steps, slowest rank) and the bytes each
 rank sends per step, as ``<out>.json``, ``<out>.md`` and ``<out>.png``.
 """
@@ -29,7 +30,7 @@ from typing import Any
 from cgx.console import progress
 
 METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "cgx-ddp-hook", "cgx-optimizer",
-           "cgx-optimizer-sfb"]
+           "cgx-optimizer-sfb", "cgx-planned", "cgx-planned-sfb"]
 VGG11 = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
 
 
@@ -82,13 +83,17 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
             opt_model.register_comm_hook(state, cgx.torch.cgx_hook)
     opt = torch.optim.SGD(opt_model.parameters(), lr=0.01, momentum=0.9)
     hvd = None
-    if method in ("cgx-optimizer", "cgx-optimizer-sfb"):
+    if method.startswith(("cgx-optimizer", "cgx-planned")):
         import cgx.torch as hvd
         hvd.init()
-        # -sfb: the fully connected layers' weight gradients travel as sufficient factors
+        # -sfb: the fully connected layers' weight gradients travel as sufficient factors;
+        # planned: each tensor exact or 4-bit as cgx.planner predicts is fastest (it traces
+        # the first 5 steps: use --warmup >= 6 to time the planned exchange only)
+        extra = {"compression": hvd.Compression.planned()} if method.startswith("cgx-planned") \
+            else {}
         opt = hvd.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(),
-            sufficient_factors=model if method == "cgx-optimizer-sfb" else None)
+            sufficient_factors=model if method.endswith("-sfb") else None, **extra)
     times = []
     for i in range(warmup + steps):
         if i == warmup and hvd is not None:

@@ -42,6 +42,7 @@ from cgx import runtime
 from cgx import process_sets
 from cgx.comm.base import ReduceOp
 from cgx.adaptive import AdaptiveSchedule
+from cgx.compression.planned import PlannedCompression
 from cgx.compression import (AutoCompression, Compression, CompressorKind, ErrorFeedback,
                              ExactCompressor, QuantizeCompressor, as_compressor)
 from cgx.compression.quantization import FLOAT_DTYPES
@@ -59,6 +60,7 @@ class GradMode(enum.Enum):
     SUMMABLE = "summable"  # cast payloads (fp16, bf16, Horovod-style), fused plain allreduce
     PER_TENSOR = "per_tensor"  # top-k, PowerSGD: the compressor's own reduction per tensor
     AUTO = "auto"  # per-layer levels chosen within an error budget (cgx.adaptive)
+    PLANNED = "planned"  # per tensor exact or quantized, as the planner decides (cgx.planner)
 
 
 def unique_names(names: Sequence[Optional[str]], prefix: str) -> list[str]:
@@ -136,6 +138,10 @@ class GradientPlan:
             mode = GradMode.AUTO
             error_feedback = cfg.error_feedback if comp.error_feedback is None \
                 else comp.error_feedback
+        elif isinstance(comp, PlannedCompression):
+            mode = GradMode.PLANNED
+            base = cfg.replace(bits=comp.bits, bucket_size=comp.bucket_size)
+            error_feedback = comp.error_feedback
         elif comp.kind is CompressorKind.NONE:
             mode = GradMode.QUANTIZE if cfg.quantization_enabled else GradMode.EXACT
             error_feedback = cfg.error_feedback
@@ -157,7 +163,8 @@ class GradientPlan:
         self.mode = mode
         self.error_feedback = error_feedback
         self.specs = [layer_rules.spec_for(n, s)
-                      if mode in (GradMode.QUANTIZE, GradMode.PER_TENSOR, GradMode.AUTO)
+                      if mode in (GradMode.QUANTIZE, GradMode.PER_TENSOR, GradMode.AUTO,
+                                  GradMode.PLANNED)
                       else None for n, s in zip(self.names, self.shapes)]
         self.step = 0
         self.group = group
@@ -167,6 +174,12 @@ class GradientPlan:
             self.names, self.shapes, [s is not None for s in self.specs], comp,
             cfg if cfg.quantization_enabled else cfg.replace(bits=4)) \
             if mode is GradMode.AUTO else None
+        # PLANNED: traced first, then each tensor exact or quantized (cgx.planner).
+        self.planned = None
+        if mode is GradMode.PLANNED:
+            from cgx.planner.schedule import PlannedSchedule
+            self.planned = PlannedSchedule(self.names, self.shapes, self.specs, comp,
+                                           base.inner_reduction, base.fusion_buffer_mb)
         self._last_step: Optional[int] = None
         # Exact exchange for the first steps (Compression.quantize/topk(warmup_steps=...),
         # PowerSGD's start_step plays that role for it).
@@ -212,7 +225,14 @@ class GradientPlan:
             return [w if w.device == g.device else w.to(g.device) for w, g in zip(work, grads)]
         if self.mode is GradMode.AUTO:
             specs = self._auto_specs(red, step, idx, work, shadow)
-        if self.mode in (GradMode.EXACT, GradMode.QUANTIZE, GradMode.AUTO):
+        elif self.mode is GradMode.PLANNED:
+            if step != self._last_step:  # the first reduction of a step, on every rank
+                self._last_step = step
+                if self.planned.due(step):
+                    self.planned.replan(red.transport, red.config.verbose)
+            planned = self.planned.specs()
+            specs = [planned[i] for i in idx]
+        if self.mode in (GradMode.EXACT, GradMode.QUANTIZE, GradMode.AUTO, GradMode.PLANNED):
             # The reducer quantizes float32/16/bf16 only; float64 travels exact.
             specs = [s if s is not None and w.dtype in FLOAT_DTYPES else None
                      for s, w in zip(specs, work)]
@@ -282,7 +302,8 @@ class GradientPlan:
         if self.adaptive is not None:
             return self.adaptive.rows()
         rows = []
-        for n, s, spec in zip(self.names, self.shapes, self.specs):
+        specs = self.planned.specs() if self.planned is not None else self.specs
+        for n, s, spec in zip(self.names, self.shapes, specs):
             numel = math.prod(s)
             rows.append({"layer": n, "shape": s, "family": "exact" if spec is None else
                          "quantize", "level": "exact" if spec is None else
@@ -312,6 +333,8 @@ class GradientPlan:
         if self.adaptive is not None:
             state["adaptive"] = self.adaptive.state_dict()
             state["last_step"] = self._last_step
+        if self.planned is not None:
+            state["planned"] = self.planned.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -324,3 +347,5 @@ class GradientPlan:
         if self.adaptive is not None and "adaptive" in state:
             self.adaptive.load_state_dict(state["adaptive"])
             self._last_step = state.get("last_step")
+        if self.planned is not None and "planned" in state:
+            self.planned.load_state_dict(state["planned"])

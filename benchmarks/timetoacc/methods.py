@@ -7,6 +7,8 @@ Names:
         -ef error feedback, -sfb fully connected layers as sufficient factors,
         -flat no hierarchical reduction on 2 hosts x 2 ranks (the default there is hierarchical)
     cgx-auto                                               compression="auto" (per-layer levels)
+    cgx-planned[-sfb]                                      Compression.planned(): exact or 4-bit
+        per tensor, as cgx.planner predicts is fastest on the measured link
 
 Every method reports the bytes it accounts for (cgx: its own statistics;
 the others: the ring-allreduce formula of what they send), next to what the
@@ -24,7 +26,8 @@ DEFAULT_METHODS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd-r1", "ddp-powersgd-r4",
                    "horovod-fp16", "cgx-8bit", "cgx-4bit", "cgx-2bit-ef", "cgx-auto",
                    "cgx-4bit-sfb")
 POWERSGD_START = 10  # exact allreduce for the first steps (PyTorch's start_powerSGD_iter)
-_CGX = re.compile(r"^cgx-(?:(?P<bits>[1-8])bit(?P<flags>(?:-ef|-sfb|-flat)*)|auto(?P<aflags>(?:-flat)*))$")
+_CGX = re.compile(r"^cgx-(?:(?P<bits>[1-8])bit(?P<flags>(?:-ef|-sfb|-flat)*)"
+                  r"|(?P<mode>auto|planned)(?P<aflags>(?:-sfb|-flat)*))$")
 _FIXED = {"ddp-fp32", "ddp-fp16", "ddp-powersgd-r1", "ddp-powersgd-r4", "horovod-fp32",
           "horovod-fp16"}
 
@@ -34,7 +37,7 @@ def check(name: str) -> str:
     if name in _FIXED or _CGX.match(name):
         return name
     raise ValueError(f"unknown method {name!r}; choose from {sorted(_FIXED)}, "
-                     "cgx-<1..8>bit[-ef][-sfb][-flat] or cgx-auto[-flat]")
+                     "cgx-<1..8>bit[-ef][-sfb][-flat], cgx-auto[-flat] or cgx-planned[-sfb][-flat]")
 
 
 def family(name: str) -> str:
@@ -166,6 +169,8 @@ def _cgx(name, model, make_optimizer) -> Setup:
     hvd.init()
     if m.group("bits"):
         comp = hvd.Compression.quantize(bits=int(m.group("bits")), error_feedback="ef" in flags)
+    elif m.group("mode") == "planned":
+        comp = hvd.Compression.planned()
     else:
         comp = hvd.Compression.auto(alpha=1.0, window=10, adjust_every=50)
     opt = hvd.DistributedOptimizer(make_optimizer(model.parameters()),
@@ -183,6 +188,9 @@ def _cgx(name, model, make_optimizer) -> Setup:
     def plan() -> Optional[str]:
         if m.group("bits"):
             return None
+        if m.group("mode") == "planned":
+            from cgx.planner import format_plan as planned_table
+            return planned_table(opt.exchange_plan(), limit=12)
         from cgx.adaptive import format_plan
         return format_plan(opt.compression_plan())
 

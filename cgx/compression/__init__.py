@@ -24,6 +24,7 @@ from __future__ import annotations
 from cgx.compression.base import (Compressor, CompressorKind, HorovodCompressor, as_compressor,
                                   stable_tensor_id)
 from cgx.compression.auto import AutoCompression
+from cgx.compression.planned import PlannedCompression
 from cgx.compression.casts import (BF16Compressor, ExactCompressor, FP16Compressor,
                                   NoneCompressor)
 from cgx.compression.error_feedback import ErrorFeedback
@@ -95,6 +96,20 @@ class Compression:
                                adjust_every=adjust_every, warmup_steps=warmup_steps, **kwargs)
 
     @staticmethod
+    def planned(bits: int = 4, bucket_size: int = 1024, calibrate_steps: int = 5,
+                assume_gbit: Optional[float] = None, error_feedback: bool = False) -> Compressor:
+        """Exact or quantized per tensor, as the planner predicts is fastest (Espresso).
+
+        The first ``calibrate_steps`` steps are traced (uniform quantized exchange), then
+        the link and the quantizer are measured and each tensor's option is fixed; a
+        tensor whose exchange hides under backward stays exact. See
+        :class:`PlannedCompression` and :mod:`cgx.planner`.
+        """
+        return PlannedCompression(bits=bits, bucket_size=bucket_size,
+                                  calibrate_steps=calibrate_steps, assume_gbit=assume_gbit,
+                                  error_feedback=error_feedback)
+
+    @staticmethod
     def topk(density: float = 0.01, error_feedback: bool = True,
              warmup_steps: int = 0) -> Compressor:
         """Top-k sparsification keeping ``density`` of each tensor; see :class:`TopKCompressor`.
@@ -121,5 +136,5 @@ __all__ = [
     "Compression", "Compressor", "CompressorKind", "HorovodCompressor", "as_compressor",
     "stable_tensor_id", "NoneCompressor", "ExactCompressor", "FP16Compressor", "BF16Compressor",
     "QuantizeCompressor", "TopKCompressor", "PowerSGDCompressor", "ErrorFeedback",
-    "AutoCompression",
+    "AutoCompression", "PlannedCompression",
 ]

@@ -255,7 +255,8 @@ def _greedy(tensors, options, tries_of, groups, model, backward_s,
 
 def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, *,
          tail_s: float = 0.0, fusion_mb: Sequence[float] = DEFAULT_FUSION_MB,
-         bits: Sequence[int] = DEFAULT_BITS, families: Optional[Sequence[str]] = None) -> Plan:
+         bits: Sequence[int] = DEFAULT_BITS, families: Optional[Sequence[str]] = None,
+         exact_only: Optional[Sequence[bool]] = None) -> Plan:
     """Choose every tensor's option and the fusion threshold with the shortest predicted step.
 
     Args:
@@ -265,6 +266,8 @@ def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, 
         tail_s: work after the exchange (the optimizer update).
         fusion_mb: fusion thresholds to try, in MB of float32.
         bits / families: the options offered (see :func:`options_for`).
+        exact_only: per tensor, True where only the exact option is allowed (e.g. the
+            layer rules keep it exact).
     """
     t0 = time.perf_counter()
     tensors = list(tensors)
@@ -272,7 +275,12 @@ def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, 
         raise ValueError("plan() needs at least one tensor")
     if not fusion_mb:
         raise ValueError("fusion_mb needs at least one threshold (MB of float32 per group)")
-    options = [options_for(t, model, bits=bits, families=families) for t in tensors]
+    if exact_only is not None and len(exact_only) != len(tensors):
+        raise ValueError(f"exact_only has {len(exact_only)} entries for {len(tensors)} tensors")
+    options = [options_for(t, model, bits=bits, families=families)[:1]
+               if exact_only is not None and exact_only[k] else
+               options_for(t, model, bits=bits, families=families)
+               for k, t in enumerate(tensors)]
     order = sorted(range(len(tensors)), key=lambda i: tensors[i].ready_s)
     tries_of = [_dominated(opts, model) for opts in options]
     best = None

@@ -370,6 +370,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                "backward_passes_per_step to accumulate gradients locally")
             self._counts[i] = c
             if c == self._bpps:
+                planned = self._plan.planned
+                if planned is not None and planned.calibrating():
+                    planned.note_ready(i, self._step_count)
                 b = self._bucket_of[i]
                 if self._timeline.enabled:
                     self._timeline.instant(f"ready {self._names[id(p)]}",
@@ -494,6 +497,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             print(format_plan(opt.compression_plan()))
         """
         return self._plan.compression_plan()
+
+    def exchange_plan(self):
+        """The planner's decision with ``compression=Compression.planned(...)``: a
+        :class:`cgx.planner.Plan` (``cgx.planner.format_plan`` prints it per tensor), or
+        None while the first steps are traced (and in other modes)."""
+        return self._plan.planned.plan if self._plan.planned is not None else None
 
     def synchronize(self) -> None:
         """Finish the gradient exchange of this step: afterwards ``p.grad`` holds the average.

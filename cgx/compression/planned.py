@@ -1,0 +1,70 @@
+"""``Compression.planned(...)``: the settings of the planned exchange.
+
+This object only holds and validates the settings; the work is done by
+:mod:`cgx.planner` (calibration, the simulator, the planner) through
+:class:`cgx.planner.schedule.PlannedSchedule`, driven by the gradient plan of
+``DistributedOptimizer``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from cgx.compression.base import Compressor, CompressorKind
+
+
+class PlannedCompression(Compressor):
+    """Per tensor, exact or quantized, whichever the planner predicts makes the step shorter.
+
+    The first ``calibrate_steps`` steps run the uniform quantized exchange while the
+    backward's gradient-ready times are recorded; then every rank measures the link
+    (alpha-beta per collective) and the quantizer, the ranks agree on the profile, and
+    each tensor gets its option (see :mod:`cgx.planner`). A tensor whose exchange hides
+    under backward stays exact: it costs no time and gets no compression error.
+
+    Args:
+        bits, bucket_size: the quantized option's level (default 4 bits, bucket 1024).
+        calibrate_steps: steps traced before the plan (>= 2: the first is warm-up).
+        assume_gbit: plan for a link of this rate (Gbit/s per rank) instead of the
+            measured one: e.g. to see what a slower production network would get.
+        error_feedback: keep the quantization residuals of compressed tensors.
+    """
+
+    kind = CompressorKind.QUANTIZE
+    summable = False
+
+    def __init__(self, bits: int = 4, bucket_size: int = 1024, calibrate_steps: int = 5,
+                 assume_gbit: Optional[float] = None, error_feedback: bool = False):
+        from cgx.config import validate_bits, validate_bucket_size
+        self.bits = validate_bits(bits, "Compression.planned bits")
+        if self.bits > 8:
+            raise ValueError(f"bits={bits} must be in 1..8: the planner weighs exact against "
+                             "quantized itself")
+        self.bucket_size = validate_bucket_size(bucket_size, "Compression.planned bucket_size")
+        if isinstance(calibrate_steps, bool) or not isinstance(calibrate_steps, int) \
+                or calibrate_steps < 2:
+            raise ValueError(f"calibrate_steps={calibrate_steps!r} must be an int >= 2 (the "
+                             "first traced step is a warm-up)")
+        if assume_gbit is not None and not (isinstance(assume_gbit, (int, float))
+                                            and not isinstance(assume_gbit, bool)
+                                            and assume_gbit > 0):
+            raise ValueError(f"assume_gbit={assume_gbit!r} must be a rate > 0 in Gbit/s, "
+                             "or None to measure the link")
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
+        self.calibrate_steps = calibrate_steps
+        self.assume_gbit = None if assume_gbit is None else float(assume_gbit)
+        self.error_feedback = error_feedback
+
+    def compress(self, tensor, name=None):
+        raise ValueError("Compression.planned decides per tensor inside DistributedOptimizer's "
+                         "gradient exchange; a single allreduce takes a fixed compressor, "
+                         "e.g. Compression.quantize(bits=4)")
+
+    def decompress(self, payload, ctx):
+        raise ValueError("Compression.planned has no payload of its own")
+
+    def __repr__(self) -> str:
+        return (f"PlannedCompression(bits={self.bits}, bucket_size={self.bucket_size}, "
+                f"calibrate_steps={self.calibrate_steps}, assume_gbit={self.assume_gbit}, "
+                f"error_feedback={self.error_feedback})")

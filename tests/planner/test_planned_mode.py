@@ -1,0 +1,92 @@
+"""compression=Compression.planned(): traced, calibrated and planned in a real 2-rank job."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spawn import run_gloo
+
+STEPS = 6
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                               torch.nn.ReLU(), torch.nn.Linear(512, 10))
+
+
+def _train(rank, world, compression_kwargs, exact=False):
+    import cgx.torch as hvd
+    hvd.init()
+    model = _model()
+    comp = hvd.Compression.exact if exact else hvd.Compression.planned(**compression_kwargs)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    g = torch.Generator().manual_seed(rank)
+    seen_before = []
+    for step in range(STEPS):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        seen_before.append(None if exact else opt.exchange_plan() is not None)
+    out = {"params": [p.detach().clone() for p in model.parameters()], "seen": seen_before}
+    if not exact:
+        p = opt.exchange_plan()
+        out["chosen"] = [o.name for o in p.chosen]
+        out["levels"] = [r["level"] for r in opt.compression_plan()]
+        out["state"] = opt.state_dict()
+        # A resumed run continues with the plan: no second calibration.
+        fresh = _model()
+        opt2 = hvd.DistributedOptimizer(torch.optim.SGD(fresh.parameters(), lr=0.05),
+                                        named_parameters=fresh.named_parameters(),
+                                        compression=hvd.Compression.planned(**compression_kwargs))
+        opt2.load_state_dict(out["state"])
+        out["restored_levels"] = [r["level"] for r in opt2.compression_plan()]
+    return out
+
+
+@pytest.mark.multiproc
+def test_slow_link_plan_is_the_same_on_every_rank_and_compresses_the_weights():
+    a, b = run_gloo(_train, 2, {"calibrate_steps": 3, "assume_gbit": 0.001})
+    # Planned at the first reduction of step 3: exchange_plan() is set from then on.
+    assert a["seen"] == [False, False, False, True, True, True] == b["seen"]
+    assert a["chosen"] == b["chosen"]
+    assert a["levels"] == b["levels"]
+    # At 1 Mbit/s every quantizable weight is worth compressing; biases stay exact (rules).
+    assert a["levels"] == ["4-bit/1024", "exact", "4-bit/1024", "exact", "4-bit/1024", "exact"]
+    assert a["restored_levels"] == a["levels"]
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    assert a["state"]["cgx"]["plan"]["planned"]["chosen"] == [True, False, True, False, True,
+                                                              False]
+
+
+@pytest.mark.multiproc
+def test_fast_link_keeps_everything_exact_and_matches_the_exact_exchange():
+    planned, _ = run_gloo(_train, 2, {"calibrate_steps": 2, "assume_gbit": 1e6})
+    exact, _ = run_gloo(_train, 2, {}, True)
+    assert set(planned["chosen"]) == {"exact"}
+    assert set(planned["levels"]) == {"exact"}
+    # Steps 0-1 were quantized while tracing; from step 2 the exchange is exact. The
+    # models differ by those two steps' quantization error only.
+    diffs = [float((p - q).abs().max()) for p, q in zip(planned["params"], exact["params"])]
+    assert 0 < max(diffs) < 0.05, diffs
+
+
+@pytest.mark.multiproc
+def test_measured_link_plans_alike_on_every_rank():
+    a, b = run_gloo(_train, 2, {"calibrate_steps": 2})
+    assert a["chosen"] == b["chosen"] and len(a["chosen"]) == 6
+
+
+def test_settings_are_checked():
+    from cgx.torch import Compression
+    with pytest.raises(ValueError, match="calibrate_steps"):
+        Compression.planned(calibrate_steps=1)
+    with pytest.raises(ValueError, match="assume_gbit"):
+        Compression.planned(assume_gbit=0)
+    with pytest.raises(ValueError, match="1..8"):
+        Compression.planned(bits=32)
+    with pytest.raises(ValueError, match="inside DistributedOptimizer"):
+        Compression.planned().compress(torch.zeros(3))
