@@ -24,7 +24,7 @@ from typing import Callable, Optional
 
 DEFAULT_METHODS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd-r1", "ddp-powersgd-r4", "horovod-fp32",
                    "horovod-fp16", "cgx-8bit", "cgx-4bit", "cgx-2bit-ef", "cgx-auto",
-                   "cgx-4bit-sfb")
+                   "cgx-4bit-sfb", "cgx-planned", "cgx-planned-sfb")
 POWERSGD_START = 10  # exact allreduce for the first steps (PyTorch's start_powerSGD_iter)
 _CGX = re.compile(r"^cgx-(?:(?P<bits>[1-8])bit(?P<flags>(?:-ef|-sfb|-flat)*)"
                   r"|(?P<mode>auto|planned)(?P<aflags>(?:-sfb|-flat)*))$")
