@@ -87,6 +87,12 @@ class GradientExchange:
                  label: Optional[str] = None, process_set=global_process_set,
                  sparse_as_dense: bool = False):
         check_gradient_args(op, gradient_predivide_factor, "gradient reduction")
+        from cgx.compression.planned import PlannedCompression
+        if isinstance(compression, PlannedCompression):
+            raise ValueError("Compression.planned() plans against the backward timeline, which "
+                             "the TensorFlow path does not trace yet (it exchanges after the "
+                             "whole backward); use compression='auto' or "
+                             "Compression.quantize(bits=4) here")
         self._user = tf_side_compressor(compression)
         self.compression = Compression.exact if self._user is not None else compression
         self.op = op
