@@ -96,15 +96,23 @@ class Option:
         return sum(b for _, b in self.wire)
 
 
+def _option(m: CostModel, name: str, compress_s: float, wire, decompress_s: float) -> Option:
+    """An option with its linear network time and its calls filled in for ``m``."""
+    wire = tuple(wire)
+    return Option(name, compress_s, wire, decompress_s,
+                  sum(m.links[k].beta * b for k, b in wire),
+                  tuple((name, k) for k, b in wire if b > 0))
+
+
 def exact(t: TensorProfile, m: CostModel) -> Option:
     P = m.world
-    return Option("exact", 0.0, ((Collective.ALLREDUCE, 2 * (P - 1) * 4 * t.numel // P),), 0.0)
+    return _option(m, "exact", 0.0, ((Collective.ALLREDUCE, 2 * (P - 1) * 4 * t.numel // P),), 0.0)
 
 
 def fp16(t: TensorProfile, m: CostModel) -> Option:
     P = m.world
     cast = 4 * t.numel / m.cast_bps
-    return Option("fp16", cast, ((Collective.ALLREDUCE, 2 * (P - 1) * 2 * t.numel // P),), cast)
+    return _option(m, "fp16", cast, ((Collective.ALLREDUCE, 2 * (P - 1) * 2 * t.numel // P),), cast)
 
 
 def sra(t: TensorProfile, m: CostModel, bits: int, bucket: int = 1024) -> Option:
@@ -114,7 +122,7 @@ def sra(t: TensorProfile, m: CostModel, bits: int, bucket: int = 1024) -> Option
     n4 = 4 * t.numel
     # Compress everything once, then the reduced own chunk again; decompress the P-1
     # received chunks (reduce) and the P-1 gathered ones.
-    return Option(f"sra-{bits}bit", n4 * (1 + 1 / P) / m.compress_bps,
+    return _option(m, f"sra-{bits}bit", n4 * (1 + 1 / P) / m.compress_bps,
                   ((Collective.ALLTOALL, (P - 1) * chunk), (Collective.ALLGATHER, (P - 1) * chunk)),
                   2 * n4 * (P - 1) / P / m.decompress_bps)
 
@@ -123,7 +131,7 @@ def allgather(t: TensorProfile, m: CostModel, bits: int, bucket: int = 1024) -> 
     """Every rank gathers every rank's quantized tensor and sums (cgx's allgather)."""
     P = m.world
     n4 = 4 * t.numel
-    return Option(f"allgather-{bits}bit", n4 / m.compress_bps,
+    return _option(m, f"allgather-{bits}bit", n4 / m.compress_bps,
                   ((Collective.ALLGATHER, (P - 1) * packed_nbytes(t.numel, bits, bucket)),),
                   n4 * (P - 1) / m.decompress_bps)
 
@@ -137,7 +145,7 @@ def sufficient_factors(t: TensorProfile, m: CostModel) -> Optional[Option]:
     if not worth_it(rows, m.world, out_f, in_f):
         return None
     P = m.world
-    return Option("sfb", 0.0, ((Collective.ALLGATHER, (P - 1) * 4 * rows * (out_f + in_f)),),
+    return _option(m, "sfb", 0.0, ((Collective.ALLGATHER, (P - 1) * 4 * rows * (out_f + in_f)),),
                   rows * P * out_f * in_f / m.matmul_flops)
 
 
@@ -164,6 +172,4 @@ def options_for(t: TensorProfile, m: CostModel, bits=DEFAULT_BITS, families=None
         sf = sufficient_factors(t, m)
         if sf is not None:
             out.append(sf)
-    return [Option(o.name, o.compress_s, o.wire, o.decompress_s,
-                   sum(m.links[k].beta * b for k, b in o.wire),
-                   tuple((o.name, k) for k, b in o.wire if b > 0)) for o in out]
+    return out

@@ -170,87 +170,103 @@ def _dominated(opts: list[Option], model: CostModel) -> list[int]:
 
 
 def _decide(i, opts, tries, choice, current, grp, lanes_before, after) -> bool:
-    """Give tensor ``i`` its best option, ties to the earliest (exact first). Inlined
-    ``advance`` and ``_apply``: this is the planner's inner loop."""
+    """Give tensor ``i`` its best option, ties to the earliest (exact first). ``advance``,
+    ``_apply`` and the communication delta are inlined: this is the planner's inner loop."""
     c_free, n_free, d_free = lanes_before
     k, a, b, e = after
     old = current[i]
+    cur = choice[i]
+    users, alpha = grp.users, grp.alpha
     ready = grp.ready
     start = ready if ready > c_free else c_free
+    comp0 = grp.compress - old.compress_s
+    dec0 = grp.decompress - old.decompress_s
+    comm0 = grp.comm - old.linear_s
+    for key in old.calls:  # the calls only the old option made disappear with it
+        if users[key] == 1:
+            comm0 -= alpha[key[1]]
     best_j, best_t = -1, 0.0
     for j in tries:
-        if j == choice[i]:
+        if j == cur:
             comp, comm, dec = grp.compress, grp.comm, grp.decompress
         else:
             o = opts[j]
-            comp = grp.compress - old.compress_s + o.compress_s
-            comm = grp.comm + grp._comm_delta(old, o)
-            dec = grp.decompress - old.decompress_s + o.decompress_s
+            comp = comp0 + o.compress_s
+            dec = dec0 + o.decompress_s
+            comm = comm0 + o.linear_s
+            for key in o.calls:
+                if not users.get(key):
+                    comm += alpha[key[1]]
         c1 = start + comp
         n1 = (c1 if c1 > n_free else n_free) + comm
         d1 = (n1 if n1 > d_free else d_free) + dec
-        t = max(k, a + c1, b + n1, e + d1)
+        t = k
+        if a + c1 > t:
+            t = a + c1
+        if b + n1 > t:
+            t = b + n1
+        if e + d1 > t:
+            t = e + d1
         if best_j < 0 or t < best_t * (1 - 1e-9):
             best_j, best_t = j, t
-    if best_j == choice[i]:
+    if best_j == cur:
         return False
     grp.swap(old, opts[best_j])
     current[i], choice[i] = opts[best_j], best_j
     return True
 
 
-def _greedy(tensors, options, tries_of, groups, model, backward_s,
-            tail_s, rounds: int = 1) -> tuple[list[int], float]:
-    """Sweeps over the groups, forward then backward (``rounds`` times, or until nothing
-    changes), each tensor (largest first within its group) taking its best option with
-    the rest fixed. One round is as good as two on the brute-force instances
-    (benchmarks/planner.py) at half the time.
+class _Sweeper:
+    """The sweeps of one fusion grouping: forward, then backward, each tensor (largest first
+    within its group) taking its best option with the rest fixed.
 
     Going forward, the lanes before the group are extended one group at a time and the
     groups after it are unchanged since the last backward sweep (their folded functional
     is kept); going backward, the other way round. A decision is O(options), a sweep
     O(tensors x options + groups).
     """
-    G = len(groups)
-    choice = [0] * len(tensors)
-    current = [opts[0] for opts in options]
-    state = [_Group(members, tensors, current, model) for members in groups]
-    by_size = [sorted(members, key=lambda k: -tensors[k].numel) for members in groups]
-    terminal = _terminal(backward_s, tail_s)
 
-    def suffixes() -> list[Functional]:
-        out = [terminal] * (G + 1)
+    def __init__(self, tensors, options, tries_of, groups, model, backward_s, tail_s):
+        self.options, self.tries_of = options, tries_of
+        self.choice = [0] * len(tensors)
+        self.current = [opts[0] for opts in options]
+        self.state = [_Group(members, tensors, self.current, model) for members in groups]
+        self.by_size = [sorted(members, key=lambda k: -tensors[k].numel) for members in groups]
+        self.terminal = _terminal(backward_s, tail_s)
+
+    def _suffixes(self) -> list[Functional]:
+        G = len(self.state)
+        out = [self.terminal] * (G + 1)
         for g in range(G - 1, -1, -1):
-            out[g] = _compose(state[g].cost(), out[g + 1])
+            out[g] = _compose(self.state[g].cost(), out[g + 1])
         return out
 
-    def prefixes() -> list[Lanes]:
-        out: list[Lanes] = [(0.0, 0.0, 0.0)] * (G + 1)
-        for g in range(G):
-            out[g + 1] = advance(out[g], state[g].cost())[0]
-        return out
+    def step_s(self) -> float:
+        return _apply(self._suffixes()[0], (0.0, 0.0, 0.0))
 
-    for _ in range(rounds):
-        changed = False
-        after = suffixes()
+    def forward(self) -> None:
+        after = self._suffixes()
         lanes: Lanes = (0.0, 0.0, 0.0)
-        for g in range(G):  # forward
-            for i in by_size[g]:
-                if len(tries_of[i]) > 1:
-                    changed |= _decide(i, options[i], tries_of[i], choice, current, state[g],
-                                       lanes, after[g + 1])
-            lanes = advance(lanes, state[g].cost())[0]
-        before = prefixes()
-        f = terminal
-        for g in range(G - 1, -1, -1):  # backward
-            for i in by_size[g]:
-                if len(tries_of[i]) > 1:
-                    changed |= _decide(i, options[i], tries_of[i], choice, current, state[g],
-                                       before[g], f)
-            f = _compose(state[g].cost(), f)
-        if not changed:
-            break
-    return choice, _apply(suffixes()[0], (0.0, 0.0, 0.0))
+        for g, grp in enumerate(self.state):
+            for i in self.by_size[g]:
+                if len(self.tries_of[i]) > 1:
+                    _decide(i, self.options[i], self.tries_of[i], self.choice, self.current,
+                            grp, lanes, after[g + 1])
+            lanes = advance(lanes, grp.cost())[0]
+
+    def backward(self) -> None:
+        G = len(self.state)
+        before: list[Lanes] = [(0.0, 0.0, 0.0)] * (G + 1)
+        for g in range(G):
+            before[g + 1] = advance(before[g], self.state[g].cost())[0]
+        f = self.terminal
+        for g in range(G - 1, -1, -1):
+            grp = self.state[g]
+            for i in self.by_size[g]:
+                if len(self.tries_of[i]) > 1:
+                    _decide(i, self.options[i], self.tries_of[i], self.choice, self.current,
+                            grp, before[g], f)
+            f = _compose(grp.cost(), f)
 
 
 def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, *,
@@ -283,13 +299,19 @@ def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, 
                for k, t in enumerate(tensors)]
     order = sorted(range(len(tensors)), key=lambda i: tensors[i].ready_s)
     tries_of = [_dominated(opts, model) for opts in options]
+    # Every threshold gets a forward sweep; the best then gets the backward sweep too
+    # (a second round changes nothing on the brute-force instances of benchmarks/planner.py).
     best = None
     for mb in fusion_mb:
         groups = fusion_groups(tensors, order, mb * 1e6)
-        choice, step = _greedy(tensors, options, tries_of, groups, model, backward_s, tail_s)
+        sweeper = _Sweeper(tensors, options, tries_of, groups, model, backward_s, tail_s)
+        sweeper.forward()
+        step = sweeper.step_s()
         if best is None or step < best[0] * (1 - 1e-9):
-            best = (step, choice, groups, mb * 1e6)
-    _, choice, groups, fusion_bytes = best
+            best = (step, sweeper, groups, mb * 1e6)
+    _, sweeper, groups, fusion_bytes = best
+    sweeper.backward()
+    choice = sweeper.choice
     chosen = [opts[c] for opts, c in zip(options, choice)]
     timeline = simulate(tensors, chosen, groups, model, backward_s, tail_s)
     return Plan(tensors, options, choice, groups, fusion_bytes, timeline, model, backward_s,
