@@ -15,7 +15,7 @@ argument maps to a :class:`GradMode`:
 ``Compression.exact``                  EXACT       plain fused allreduce
 ``Compression.quantize(...)``          QUANTIZE    its bits/bucket/rounding, with rules
 ``fp16``, ``bf16``, Horovod-style      SUMMABLE    cast payloads, one plain allreduce
-``topk(...)``, ``powersgd(...)``       PER_TENSOR  the compressor's own reduction
+``topk(...)``, ``powersgd(...)``       PER_TENSOR  the compressor's own reduction, batched per bucket
 =====================================  ==========  ====================================
 
 In QUANTIZE mode, :meth:`cgx.rules.LayerRules.spec_for` decides per tensor
@@ -58,7 +58,7 @@ class GradMode(enum.Enum):
     EXACT = "exact"  # plain fused allreduce
     QUANTIZE = "quantize"  # fused compressed allreduce (SRA/ring/allgather), per-layer specs
     SUMMABLE = "summable"  # cast payloads (fp16, bf16, Horovod-style), fused plain allreduce
-    PER_TENSOR = "per_tensor"  # top-k, PowerSGD: the compressor's own reduction per tensor
+    PER_TENSOR = "per_tensor"  # top-k, PowerSGD: the compressor's own reduction, per bucket
     AUTO = "auto"  # per-layer levels chosen within an error budget (cgx.adaptive)
     PLANNED = "planned"  # per tensor exact or quantized, as the planner decides (cgx.planner)
 
@@ -260,10 +260,15 @@ class GradientPlan:
             if plain:
                 red.allreduce([work[k] for k in plain], None, op=self.op, name=name,
                               prescale_factor=pre, postscale_factor=post)
-            for k, (n, s) in enumerate(zip(names, specs)):
-                if s is not None:
-                    w = work[k].mul_(pre) if pre != 1.0 else work[k]
-                    w.copy_(self.compression.allreduce(w, red.transport, n, self.op).view_as(w))
+            # The compressed tensors of this call in as few collectives as the family
+            # allows (top-k: one allgather; PowerSGD: one allreduce of P, one of Q).
+            packed = [k for k, s in enumerate(specs) if s is not None]
+            if packed:
+                ws = [work[k].mul_(pre) if pre != 1.0 else work[k] for k in packed]
+                outs = self.compression.allreduce_many(ws, red.transport,
+                                                       [names[k] for k in packed], self.op)
+                for w, o in zip(ws, outs):
+                    w.copy_(o.view_as(w))
                     if post != 1.0:
                         w.mul_(post)
         return [w if w.device == g.device else w.to(g.device) for w, g in zip(work, grads)]

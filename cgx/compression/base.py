@@ -262,6 +262,67 @@ class Compressor(abc.ABC):
             return self.decompress(payload, ctx).clone()
         return self.reduce_payload(payload, ctx, transport, tensor, op)
 
+    def gathers(self) -> bool:
+        """True when the reduction is the default one: allgather the payloads, accumulate
+        them in rank order (what :meth:`allreduce_many` fuses)."""
+        cls = type(self)
+        return not self.summable and cls.allreduce is Compressor.allreduce and \
+            cls.reduce_payload is Compressor.reduce_payload
+
+    def allreduce_many(self, tensors: list, transport: Transport, names: list,
+                       op: ReduceOp = ReduceOp.AVERAGE) -> list:
+        """:meth:`allreduce` of several tensors, in as few collectives as the family allows.
+
+        Payloads that are gathered (top-k, and any non-summable compressor that keeps
+        the default reduction) travel in one allgather: each rank's payloads
+        concatenated, each slot padded to 16 bytes. Every tensor is then accumulated
+        in rank order exactly as :meth:`reduce_payload` does, so the results are
+        bit-identical to reducing the tensors one by one. Compressors with their own
+        algorithm override this (PowerSGD batches its two allreduces) or reduce one
+        tensor at a time.
+        """
+        if len(tensors) != len(names):
+            raise ValueError(f"{len(tensors)} tensors but {len(names)} names")
+        if len(tensors) < 2 or not self.gathers():
+            return [self.allreduce(t, transport, n, op) for t, n in zip(tensors, names)]
+        for t in tensors:
+            check_tensor(t, f"{type(self).__name__}.allreduce_many")
+        op = check_reduce_op(op, self.kind)
+        for n in names:
+            check_name(n)
+        if not isinstance(transport, Transport):
+            raise TypeError(f"transport must be a cgx.comm.base.Transport, got "
+                            f"{type(transport).__name__}")
+        pairs = [self.compress_for_reduction(t, transport, n) for t, n in zip(tensors, names)]
+        chunks = [as_bytes(p) for p, _ in pairs]
+        slots = [-(-c.numel() // 16) * 16 for c in chunks]
+        device = chunks[0].device
+        send = torch.zeros(sum(slots), dtype=torch.uint8, device=device)
+        off = 0
+        for c, slot in zip(chunks, slots):
+            send[off:off + c.numel()].copy_(c)
+            off += slot
+        size = transport.size
+        gathered = torch.empty(size * send.numel(), dtype=torch.uint8, device=device)
+        if send.numel():
+            transport.allgather(gathered, send)
+        per_rank = gathered.view(size, -1)
+        outs, off = [], 0
+        for (payload, ctx), t, c, slot in zip(pairs, tensors, chunks, slots):
+            if t.numel() == 0:
+                outs.append(self.decompress(payload, ctx).clone())
+                off += slot
+                continue
+            out = torch.zeros(t.numel(), dtype=accumulate_dtype(t.dtype), device=t.device)
+            for r in range(size):  # rank order: the same float sum as reduce_payload
+                part = per_rank[r, off:off + c.numel()].view(payload.dtype).view(payload.shape)
+                self.accumulate(part, ctx, out)
+            if op is ReduceOp.AVERAGE:
+                out = divide_(out, size)
+            outs.append(out.view(t.shape).to(t.dtype))
+            off += slot
+        return outs
+
     # -- state -----------------------------------------------------------------
 
     def state_dict(self) -> dict:

@@ -131,6 +131,9 @@ class ErrorFeedback(Compressor):
     def accumulate(self, payload, ctx: ErrorFeedbackContext, out):
         self.compressor.accumulate(payload, ctx.inner, out)
 
+    def gathers(self) -> bool:
+        return self.compressor.gathers()
+
     def reduce_payload(self, payload, ctx: ErrorFeedbackContext, transport: Transport,
                        like: torch.Tensor, op: ReduceOp = ReduceOp.AVERAGE) -> torch.Tensor:
         return self.compressor.reduce_payload(payload, ctx.inner, transport, like, op)

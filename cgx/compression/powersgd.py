@@ -54,9 +54,9 @@ import torch
 
 from cgx.comm.base import ReduceOp, Transport
 from cgx.compression import wire
-from cgx.compression.base import (Compressor, CompressorKind, STATE_FORMAT, check_float_tensor,
-                                  check_name, check_reduce_op, check_state, stable_tensor_id,
-                                  state_tensor)
+from cgx.compression.base import (Compressor, CompressorKind, STATE_FORMAT, accumulate_dtype,
+                                  check_float_tensor, check_name, check_reduce_op, check_state,
+                                  stable_tensor_id, state_tensor)
 from cgx.compression.casts import NoneCompressor
 
 _Q_STAGE = 0x51  # noise_key stage of the Q draws: keeps them apart from quantization keys
@@ -88,6 +88,16 @@ def initial_q(seed: int, name: Optional[str], draw: int, m: int, rank: int,
     gen.manual_seed(wire.noise_key(seed, draw, stable_tensor_id(name), _Q_STAGE))
     q = torch.randn((m, rank), generator=gen, dtype=torch.float32)
     return q.to(device=device, dtype=dtype)
+
+
+def _split_like(buf: torch.Tensor, like: list) -> list:
+    """Views of ``buf`` shaped like each tensor of ``like``, in order (contiguous copies of
+    nothing: ``buf`` is fresh)."""
+    out, off = [], 0
+    for t in like:
+        out.append(buf[off:off + t.numel()].view(t.shape))
+        off += t.numel()
+    return out
 
 
 def orthogonalize_(matrix: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
@@ -244,6 +254,10 @@ class PowerSGDCompressor(Compressor):
         if transport is not None:
             transport.allreduce(Q, ReduceOp.SUM)
             Q.div_(transport.size)
+        return self._finish(M, name, P, Q, q_start)
+
+    def _finish(self, M, name, P, Q, q_start):
+        """P Q^T, and the state it leaves: warm-start Q and the residual M - P Q^T."""
         approx = P @ Q.T
         # Device-side guards, no host sync: a non-finite step keeps the previous state.
         if self.warm_start:
@@ -292,6 +306,60 @@ class PowerSGDCompressor(Compressor):
         if op is ReduceOp.SUM:
             approx = approx.mul_(transport.size)
         return approx.view(tensor.shape).to(tensor.dtype)
+
+    def allreduce_many(self, tensors, transport, names, op=ReduceOp.AVERAGE):
+        """:meth:`allreduce` of several tensors with three collectives in all: the P
+        factors of every compressed tensor in one allreduce, then their Q factors in
+        another, and the tensors PowerSGD leaves exact (1-D, small, before
+        ``start_step``) in a third (as PyTorch's PowerSGD hook batches a bucket)."""
+        if len(tensors) != len(names):
+            raise ValueError(f"{len(tensors)} tensors but {len(names)} names")
+        op = check_reduce_op(op, self.kind)
+        if not isinstance(transport, Transport):
+            raise TypeError(f"transport must be a cgx.comm.base.Transport, got "
+                            f"{type(transport).__name__}")
+        outs: list = [None] * len(tensors)
+        plain, low = [], []  # indices; for low: (i, M, r, q_start, P)
+        for i, (t, name) in enumerate(zip(tensors, names)):
+            r = self._next_step(t, name, f"{type(self).__name__}.allreduce_many")
+            if r == 0:
+                plain.append(i)
+                continue
+            n = t.shape[0]
+            M = self._input_matrix(t, name, n, t.numel() // n)
+            q_start = self._start_q(name, M, r)
+            low.append((i, M, q_start, M @ q_start))
+        if plain:
+            flat = [tensors[i].reshape(-1) for i in plain]
+            buf = torch.cat([f.to(accumulate_dtype(f.dtype)) for f in flat])
+            transport.allreduce(buf, ReduceOp.SUM)
+            if op is ReduceOp.AVERAGE:  # as Compression.none does: times 1/W
+                buf = buf * (1.0 / transport.size)
+            off = 0
+            for i, f in zip(plain, flat):
+                outs[i] = buf[off:off + f.numel()].view(tensors[i].shape).to(tensors[i].dtype)
+                off += f.numel()
+        if low:
+            for dtype in sorted({M.dtype for _, M, _, _ in low}, key=str):
+                group = [item for item in low if item[1].dtype == dtype]
+                Ps = [P for _, _, _, P in group]
+                buf = torch.cat([P.reshape(-1) for P in Ps])
+                transport.allreduce(buf, ReduceOp.SUM)  # no /W: P is orthogonalized next
+                Ps = _split_like(buf, Ps)
+                Qs = []
+                for (_, M, _, _), P in zip(group, Ps):
+                    orthogonalize_(P, self.orthogonalization_epsilon)
+                    Qs.append(M.T @ P)
+                buf = torch.cat([Q.reshape(-1) for Q in Qs])
+                transport.allreduce(buf, ReduceOp.SUM)
+                buf.div_(transport.size)
+                Qs = _split_like(buf, Qs)
+                for (i, M, q_start, _), P, Q in zip(group, Ps, Qs):
+                    _, _, approx = self._finish(M, names[i], P, Q, q_start)
+                    if op is ReduceOp.SUM:
+                        approx = approx.mul_(transport.size)
+                    outs[i] = approx.view(tensors[i].shape).to(tensors[i].dtype)
+        return outs
 
     # -- state -------------------------------------------------------------------
 
