@@ -236,3 +236,29 @@ def test_non_finite_local_compress():
     comp = PowerSGDCompressor(rank=1)
     assert comp.decompress(*comp.compress(x, "w")).isnan().any()
     assert torch.equal(comp.residual("w"), torch.zeros(20, 20))  # first step: stays zero
+
+
+def test_warm_start_survives_a_change_of_rank():
+    """Raising the rank keeps the old Q as the leading columns; lowering it truncates."""
+    from cgx.compression import Compression
+    from cgx.compression.powersgd import orthogonalize_
+    g = torch.Generator().manual_seed(0)
+    comp = Compression.powersgd(rank=2, error_feedback=False)
+    x = torch.randn(40, 30, generator=g)
+    comp.compress(x, name="w")
+    q2 = comp._q["w"].clone()
+    comp.rank = 4
+    M = x.clone()
+    start = comp._start_q("w", M, 4)
+    assert start.shape == (30, 4)
+    assert torch.allclose(start[:, :2], orthogonalize_(q2.clone()), atol=1e-6)
+    assert torch.allclose(start.T @ start, torch.eye(4), atol=1e-5)  # orthonormal
+    comp.compress(x, name="w")
+    q4 = comp._q["w"].clone()
+    comp.rank = 1
+    start = comp._start_q("w", M, 1)
+    assert torch.allclose(start, orthogonalize_(q4[:, :1].clone()), atol=1e-6)
+    # Truncating draws nothing; neither does the stored rank-4 Q at rank 4 again.
+    draws = dict(comp._draws)
+    comp._start_q("w", M, 4)
+    assert comp._draws == draws

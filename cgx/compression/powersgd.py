@@ -5,7 +5,9 @@ bucket), one power iteration per step::
 
     M   = tensor viewed as (n, m) = (shape[0], numel // shape[0]), plus the residual
     Q   = warm start: last step's Q; first step (or warm_start=False): N(0, 1)
-          from a generator seeded by (seed, name, draw), the same on every rank
+          from a generator seeded by (seed, name, draw), the same on every rank;
+          after a change of rank, last step's Q truncated to its leading columns,
+          or extended with fresh ones (the warm start survives a re-plan)
     orthogonalize(Q)
     P   = M Q                  (n, r)    allreduce(P, SUM)
     orthogonalize(P)                     columns of P orthonormal
@@ -234,10 +236,17 @@ class PowerSGDCompressor(Compressor):
         if q is not None and q.shape[0] != m:
             raise ValueError(f"the warm-start Q of {name!r} has {q.shape[0]} rows but the tensor "
                              f"has {m} columns: give every tensor its own name, or reset() it")
-        if q is None or q.shape[1] != r:  # first step, no warm start, or rank changed
+        if q is None:  # first step, or no warm start
             draw = self._draws.get(name, 0)
             self._draws[name] = draw + 1
             q = initial_q(self.seed, name, draw, m, r, M.dtype, M.device)
+        elif q.shape[1] > r:  # the rank went down: keep the leading directions
+            q = q[:, :r].to(device=M.device, dtype=M.dtype, copy=True)
+        elif q.shape[1] < r:  # the rank went up: keep the warm start, add fresh columns
+            draw = self._draws.get(name, 0)
+            self._draws[name] = draw + 1
+            extra = initial_q(self.seed, name, draw, m, r - q.shape[1], M.dtype, M.device)
+            q = torch.cat([q.to(device=M.device, dtype=M.dtype), extra], dim=1)
         else:
             q = q.to(device=M.device, dtype=M.dtype, copy=True)
         return orthogonalize_(q, self.orthogonalization_epsilon)
