@@ -22,7 +22,7 @@ import time
 from typing import Optional, Sequence
 
 from cgx.planner.costs import DEFAULT_BITS, CostModel, Option, TensorProfile, options_for
-from cgx.planner.simulator import GroupCost, Lanes, Timeline, advance, finish, simulate
+from cgx.planner.simulator import GroupCost, Lanes, Timeline, advance, simulate
 
 DEFAULT_FUSION_MB = (4.0, 16.0, 64.0)
 
@@ -76,11 +76,6 @@ class _Group:
 
     def cost(self) -> GroupCost:
         return GroupCost(self.ready, self.compress, self.comm, self.decompress)
-
-    def with_swap(self, old: Option, new: Option) -> GroupCost:
-        return GroupCost(self.ready, self.compress - old.compress_s + new.compress_s,
-                         self.comm + self._comm_delta(old, new),
-                         self.decompress - old.decompress_s + new.decompress_s)
 
     def swap(self, old: Optional[Option], new: Option) -> None:
         self.comm += self._comm_delta(old, new)
@@ -156,7 +151,7 @@ def _apply(f: Functional, lanes: Lanes) -> float:
     return max(f[0], f[1] + lanes[0], f[2] + lanes[1], f[3] + lanes[2])
 
 
-def _dominated(opts: list[Option], model: CostModel) -> list[int]:
+def _worth_trying(opts: list[Option], model: CostModel) -> list[int]:
     """Indices of the options to try: exact, and any option no other beats on both
     compute and (uncontended) network time."""
     cost = [(o.compress_s + o.decompress_s, sum(model.comm(k, b) for k, b in o.wire)) for o in opts]
@@ -298,7 +293,7 @@ def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, 
                options_for(t, model, bits=bits, families=families)
                for k, t in enumerate(tensors)]
     order = sorted(range(len(tensors)), key=lambda i: tensors[i].ready_s)
-    tries_of = [_dominated(opts, model) for opts in options]
+    tries_of = [_worth_trying(opts, model) for opts in options]
     # Every threshold gets a forward sweep; the best then gets the backward sweep too
     # (a second round changes nothing on the brute-force instances of benchmarks/planner.py).
     best = None
