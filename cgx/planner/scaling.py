@@ -13,6 +13,7 @@ gives each rank 1/R of the node's rate (the traffic leaves by the same NIC).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Optional, Sequence
 
 from cgx.planner.costs import CostModel, TensorProfile
@@ -28,10 +29,7 @@ class Layer:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def _conv(name, cin, cout, k, hw, layers, bias=False):

@@ -15,6 +15,7 @@ so every rank holds the same plan: the ranks issue the same collectives.
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -103,7 +104,7 @@ class PlannedSchedule:
         else:
             cost = CostModel(transport.size, link_model(transport), compress_bps=1 / inv[0],
                              decompress_bps=1 / inv[1], cast_bps=1 / inv[2])
-        tensors = [TensorProfile(name, _numel(shape), t)
+        tensors = [TensorProfile(name, math.prod(shape), t)
                    for name, shape, t in zip(self.names, self.shapes, ready)]
         backward = max(ready) if ready else 0.0
         result = plan(tensors, cost, backward, fusion_mb=(self.fusion_mb,),
@@ -132,10 +133,3 @@ class PlannedSchedule:
                              f"than this optimizer's ({len(self.names)}); restore it into the "
                              "same model")
         self.chosen = None if state["chosen"] is None else list(state["chosen"])
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
