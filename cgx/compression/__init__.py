@@ -21,6 +21,8 @@ Only torch is imported here (no TensorFlow, no Triton).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from cgx.compression.base import (Compressor, CompressorKind, HorovodCompressor, as_compressor,
                                   stable_tensor_id)
 from cgx.compression.auto import AutoCompression
