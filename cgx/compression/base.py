@@ -219,15 +219,21 @@ class Compressor(abc.ABC):
             chunk = as_bytes(payload)
             gathered = torch.empty(size * chunk.numel(), dtype=torch.uint8, device=chunk.device)
             transport.allgather(gathered, chunk)
-            out = torch.zeros(like.numel(), dtype=accumulate_dtype(like.dtype), device=like.device)
-            per_rank = gathered.view(size, -1)
-            for r in range(size):  # rank order: the same float sum on every rank
-                part = per_rank[r].view(payload.dtype).view(payload.shape)
-                self.accumulate(part, ctx, out)
-            out = out.view(like.shape)
+            return self._sum_gathered(gathered.view(size, -1), payload, ctx, like, op)
         if op is ReduceOp.AVERAGE:
             out = divide_(out, size)
         return out.to(like.dtype)
+
+    def _sum_gathered(self, per_rank: torch.Tensor, payload: torch.Tensor, ctx: Any,
+                      like: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        """Every rank's payload (row r of ``per_rank``: its bytes) accumulated in rank order,
+        the same float sum on every rank; averaged for AVERAGE; shaped and typed like ``like``."""
+        out = torch.zeros(like.numel(), dtype=accumulate_dtype(like.dtype), device=like.device)
+        for r in range(per_rank.shape[0]):
+            self.accumulate(per_rank[r].view(payload.dtype).view(payload.shape), ctx, out)
+        if op is ReduceOp.AVERAGE:
+            out = divide_(out, per_rank.shape[0])
+        return out.view(like.shape).to(like.dtype)
 
     def allreduce(self, tensor: torch.Tensor, transport: Transport, name: Optional[str] = None,
                   op: ReduceOp = ReduceOp.AVERAGE) -> torch.Tensor:
@@ -313,13 +319,7 @@ class Compressor(abc.ABC):
                 outs.append(self.decompress(payload, ctx).clone())
                 off += slot
                 continue
-            out = torch.zeros(t.numel(), dtype=accumulate_dtype(t.dtype), device=t.device)
-            for r in range(size):  # rank order: the same float sum as reduce_payload
-                part = per_rank[r, off:off + c.numel()].view(payload.dtype).view(payload.shape)
-                self.accumulate(part, ctx, out)
-            if op is ReduceOp.AVERAGE:
-                out = divide_(out, size)
-            outs.append(out.view(t.shape).to(t.dtype))
+            outs.append(self._sum_gathered(per_rank[:, off:off + c.numel()], payload, ctx, t, op))
             off += slot
         return outs
 
