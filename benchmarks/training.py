@@ -113,16 +113,10 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
         wire = state.reducer().totals.wire_bytes / (warmup + steps)
     params = sum(p.numel() for p in model.parameters())
     if wire is None:  # ring allreduce of the gradients (DDP) or of their compressed form
-        ring = 2 * (world - 1) / world
-        if method == "ddp-powersgd":  # P and Q (rank 1) per compressible matrix, fp32
-            values = 0
-            for p in model.parameters():
-                n, m = p.shape[0], p.numel() // p.shape[0]
-                low = (n + m) * 1
-                values += low if p.dim() > 1 and n * m >= 2 * low else p.numel()
-            wire = ring * values * 4
-        else:
-            wire = ring * params * {"compute": 0, "ddp-fp32": 4, "ddp-fp16": 2}[method]
+        from benchmarks.timetoacc.methods import powersgd_values, ring_bytes
+        values = powersgd_values(model, 1) if method == "ddp-powersgd" else params
+        width = {"compute": 0, "ddp-fp32": 4, "ddp-fp16": 2, "ddp-powersgd": 4}[method]
+        wire = ring_bytes(width * values, world)
     return {"method": method, "times_s": times, "params": params, "wire_bytes": wire}
 
 

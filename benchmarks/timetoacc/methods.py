@@ -56,11 +56,11 @@ class Setup:
     note: str = ""
 
 
-def _ring(nbytes: float, world: int) -> float:
+def ring_bytes(nbytes: float, world: int) -> float:
     return 2 * (world - 1) / world * nbytes
 
 
-def _powersgd_values(model, rank: int, min_rate: float = 2.0) -> int:
+def powersgd_values(model, rank: int, min_rate: float = 2.0) -> int:
     """Values one PowerSGD step allreduces (PyTorch's hook: P and Q per compressed matrix)."""
     total = 0
     for p in model.parameters():
@@ -96,11 +96,11 @@ def _ddp(name, model, make_optimizer, world, params) -> Setup:
                                  start_powerSGD_iter=POWERSGD_START, min_compression_rate=2,
                                  use_error_feedback=True, warm_start=True)
         ddp.register_comm_hook(state, ps.powerSGD_hook)
-        low = _powersgd_values(model, r)
+        low = powersgd_values(model, r)
 
         def accounted(steps: int) -> float:
             exact = min(steps, POWERSGD_START)
-            return _ring(4 * (exact * params + (steps - exact) * low), world)
+            return ring_bytes(4 * (exact * params + (steps - exact) * low), world)
 
         return Setup(ddp, make_optimizer(ddp.parameters()), accounted,
                      note=f"rank {r}, error feedback, warm start, exact for {POWERSGD_START} steps")
@@ -111,7 +111,7 @@ def _ddp(name, model, make_optimizer, world, params) -> Setup:
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         width = 2
     return Setup(ddp, make_optimizer(ddp.parameters()),
-                 lambda steps: _ring(width * params * steps, world))
+                 lambda steps: ring_bytes(width * params * steps, world))
 
 
 def _horovod(name, model, make_optimizer, world, params) -> Setup:
@@ -156,7 +156,7 @@ def _horovod(name, model, make_optimizer, world, params) -> Setup:
         if server is not None:
             server.stop()
 
-    return Setup(model, opt, lambda steps: _ring((2 if fp16 else 4) * params * steps, world),
+    return Setup(model, opt, lambda steps: ring_bytes((2 if fp16 else 4) * params * steps, world),
                  close=close, barrier=hvd.barrier)
 
 
