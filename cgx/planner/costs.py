@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 from cgx.compression.wire import packed_nbytes
 
@@ -79,9 +79,11 @@ class TensorProfile:
     rows: Optional[int] = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One way to exchange a tensor: compute before, collectives (bytes sent per rank), compute after."""
+class Option(NamedTuple):
+    """One way to exchange a tensor: compute before, collectives (bytes sent per rank), compute after.
+
+    A named tuple, not a dataclass: the planner builds a few per tensor on every decision.
+    """
 
     name: str
     compress_s: float
@@ -95,13 +97,20 @@ class Option:
     def bytes_sent(self) -> int:
         return sum(b for _, b in self.wire)
 
+    def network_s(self, m: "CostModel") -> float:
+        """Uncontended network time: alpha per call plus the linear part."""
+        return self.linear_s + sum(m.links[k].alpha for _, k in self.calls)
+
 
 def _option(m: CostModel, name: str, compress_s: float, wire, decompress_s: float) -> Option:
     """An option with its linear network time and its calls filled in for ``m``."""
-    wire = tuple(wire)
-    return Option(name, compress_s, wire, decompress_s,
-                  sum(m.links[k].beta * b for k, b in wire),
-                  tuple((name, k) for k, b in wire if b > 0))
+    links = m.links
+    linear, calls = 0.0, []
+    for k, b in wire:
+        linear += links[k].beta * b
+        if b > 0:
+            calls.append((name, k))
+    return Option(name, compress_s, tuple(wire), decompress_s, linear, tuple(calls))
 
 
 def exact(t: TensorProfile, m: CostModel) -> Option:
@@ -138,9 +147,9 @@ def allgather(t: TensorProfile, m: CostModel, bits: int, bucket: int = 1024) -> 
 
 def sufficient_factors(t: TensorProfile, m: CostModel) -> Optional[Option]:
     """All-gather each rank's K x (M + N) factors and rebuild; only where Poseidon's rule holds."""
-    from cgx.sufficient_factors import worth_it
     if t.shape is None or not t.rows:
         return None
+    from cgx.sufficient_factors import worth_it
     rows, (out_f, in_f) = t.rows, t.shape
     if not worth_it(rows, m.world, out_f, in_f):
         return None
