@@ -228,8 +228,7 @@ class GradientPlan:
         elif self.mode is GradMode.PLANNED:
             if step != self._last_step:  # the first reduction of a step, on every rank
                 self._last_step = step
-                if self.planned.due(step):
-                    self.planned.replan(red.transport, red.config.verbose)
+                self.planned.begin_step(step, red.transport, red.config.verbose)
             planned = self.planned.specs()
             specs = [planned[i] for i in idx]
         if self.mode in (GradMode.EXACT, GradMode.QUANTIZE, GradMode.AUTO, GradMode.PLANNED):
@@ -244,6 +243,8 @@ class GradientPlan:
                              for n, s, w in zip(names, specs, work)]
             red.allreduce(work, specs, op=self.op, prescale_factor=pre, postscale_factor=post,
                           name=name, residuals=residuals, step=step)
+            if self.planned is not None and not shadow:
+                self.planned.note_reduced(step)
         elif self.mode is GradMode.SUMMABLE:
             comp = self.compression
             pairs = [comp.compress_for_reduction(w.mul_(pre) if pre != 1.0 else w,

@@ -371,7 +371,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._counts[i] = c
             if c == self._bpps:
                 planned = self._plan.planned
-                if planned is not None and planned.calibrating():
+                if planned is not None:  # ready times: the plan's input, then drift checks
                     planned.note_ready(i, self._step_count)
                 b = self._bucket_of[i]
                 if self._timeline.enabled:
@@ -503,6 +503,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         :class:`cgx.planner.Plan` (``cgx.planner.format_plan`` prints it per tensor), or
         None while the first steps are traced (and in other modes)."""
         return self._plan.planned.plan if self._plan.planned is not None else None
+
+    def exchange_checks(self) -> list:
+        """With ``Compression.planned(...)``: every drift check so far, as
+        :class:`cgx.planner.schedule.DriftCheck` (step, predicted and measured step time,
+        whether it re-planned); empty in other modes."""
+        return list(self._plan.planned.checks) if self._plan.planned is not None else []
 
     def synchronize(self) -> None:
         """Finish the gradient exchange of this step: afterwards ``p.grad`` holds the average.
