@@ -136,10 +136,3 @@ def test_settings_are_checked():
         Compression.planned(drift_tolerance=0)
     with pytest.raises(ValueError, match="inside DistributedOptimizer"):
         Compression.planned().compress(torch.zeros(3))
-
-
-def test_tensorflow_says_planned_is_torch_only():
-    tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed")
-    import cgx.tensorflow as hvd_tf
-    with pytest.raises(ValueError, match="does not trace yet"):
-        hvd_tf.DistributedGradientTape(tf.GradientTape(), compression=hvd_tf.Compression.planned())
