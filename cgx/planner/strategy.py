@@ -21,7 +21,7 @@ import dataclasses
 import time
 from typing import Optional, Sequence
 
-from cgx.planner.costs import DEFAULT_BITS, CostModel, Option, TensorProfile, options_for
+from cgx.planner.costs import DEFAULT_BITS, CostModel, Option, OptionMaker, TensorProfile
 from cgx.planner.simulator import GroupCost, Lanes, Timeline, advance, simulate
 
 DEFAULT_FUSION_MB = (4.0, 16.0, 64.0)
@@ -161,7 +161,13 @@ def _apply(f: Functional, lanes: Lanes) -> float:
 def _worth_trying(opts: list[Option], model: CostModel) -> list[int]:
     """Indices of the options to try: exact, and any option no other beats on both
     compute and (uncontended) network time."""
-    cost = [(o.compress_s + o.decompress_s, o.network_s(model)) for o in opts]
+    alpha = {kind: ab.alpha for kind, ab in model.links.items()}
+    cost = []
+    for o in opts:
+        net = o.linear_s
+        for _, kind in o.calls:
+            net += alpha[kind]
+        cost.append((o.compress_s + o.decompress_s, net))
     keep = [0]
     for j in range(1, len(opts)):
         cj, nj = cost[j]
@@ -301,10 +307,11 @@ def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, 
     # Tensors of one shape share their options (models repeat shapes: blocks, heads).
     cache: dict[tuple, tuple[list[Option], list[int]]] = {}
     options, tries_of = [], []
+    options_for = OptionMaker(model, bits, families)
     for k, t in enumerate(tensors):
         key = (t.numel, t.shape, t.rows, exact_only is not None and exact_only[k])
         if key not in cache:
-            opts = options_for(t, model, bits=bits, families=families)
+            opts = options_for(t)
             if key[3]:
                 opts = opts[:1]
             cache[key] = (opts, _worth_trying(opts, model))
