@@ -250,7 +250,7 @@ class GradientPlan:
         elif self.mode is GradMode.PLANNED:
             if step != self._last_step:  # the first reduction of a step, on every rank
                 self._last_step = step
-                self.planned.begin_step(step, red.transport, red.config.verbose)
+                self.planned.begin_step(step, red.transport, red.config.verbose, red.timeline)
             planned = self.planned.specs()
             specs = [planned[i] for i in idx]
         if self.mode in (GradMode.EXACT, GradMode.QUANTIZE, GradMode.AUTO, GradMode.PLANNED):

@@ -105,8 +105,24 @@ class PlannedSchedule:
         """A reduction of ``step`` finished (engine thread)."""
         self._end = (step, time.perf_counter())
 
-    def begin_step(self, step: int, transport, verbose: bool = False) -> None:
-        """The first reduction of ``step`` on every rank: plan when due, check for drift."""
+    def begin_step(self, step: int, transport, verbose: bool = False, timeline=None) -> None:
+        """The first reduction of ``step`` on every rank: plan when due, check for drift.
+        Plans and checks are also marked on ``timeline`` (``cgx.timeline``) when given."""
+        planned_before, checks_before = self.plan, len(self.checks)
+        self._begin_step(step, transport, verbose)
+        if timeline is None or not timeline.enabled:
+            return
+        for c in self.checks[checks_before:]:
+            timeline.instant("drift check", row="planner",
+                             args={"step": c.step, "predicted_ms": 1e3 * c.predicted_s,
+                                   "measured_ms": 1e3 * c.measured_s, "replanned": c.replanned})
+        if self.plan is not planned_before:
+            p = self.plan
+            timeline.instant("plan", row="planner", args={
+                "step": step, "predicted_ms": 1e3 * p.step_s,
+                "choices": {t.name: o.name for t, o in zip(p.tensors, p.chosen)}})
+
+    def _begin_step(self, step: int, transport, verbose: bool) -> None:
         if self._end is not None and self.planned_at is not None:
             # The previous step's exchange ended with its latest reduction. The first
             # step after a plan still carries the calibration; it is not measured.
