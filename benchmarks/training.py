@@ -12,7 +12,11 @@ PyTorch's ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 1, error feedback,
 warm start; run with a single DDP bucket, the only way it does not crash on
 Gloo here), cgx's DDP hook and cgx's ``DistributedOptimizer`` (both 4-bit, the
 defaults), and ``cgx-planned`` (``Compression.planned()``: each tensor exact or
-4-bit, as ``cgx.planner`` predicts is fastest on the measured link). Reports
+4-bit, as ``cgx.planner`` predicts is fastest on the measured link). The Keras path:
+``keras-compute`` (no communication), ``keras-cgx`` (cgx's Keras
+``DistributedOptimizer``, 4-bit, in ``train_on_batch``: each bucket starts as its
+gradients exist) and ``keras-cgx-one-call`` (the same, all gradients in one exchange
+after backward). Reports
 seconds per step (mean over the timed steps, slowest rank) and the bytes each
 rank sends per step, as ``<out>.json``, ``<out>.md`` and ``<out>.png``.
 """
@@ -30,7 +34,8 @@ from typing import Any
 from cgx.console import progress
 
 METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "cgx-ddp-hook", "cgx-optimizer",
-           "cgx-optimizer-sfb", "cgx-planned", "cgx-planned-sfb"]
+           "cgx-optimizer-sfb", "cgx-planned", "cgx-planned-sfb", "keras-compute", "keras-cgx",
+           "keras-cgx-one-call"]
 VGG11 = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
 
 
@@ -48,8 +53,68 @@ def vgg11(num_classes: int = 10):
                          nn.Linear(4096, 4096), nn.ReLU(True), nn.Linear(4096, num_classes))
 
 
+def keras_vgg11(num_classes: int = 10):
+    """VGG-11 in Keras 3 (channels last), the same layers as :func:`vgg11`."""
+    import keras
+
+    layers = [keras.Input((32, 32, 3))]
+    for v in VGG11:
+        if v == "M":
+            layers.append(keras.layers.MaxPooling2D(2))
+        else:
+            layers += [keras.layers.Conv2D(v, 3, padding="same"),
+                       keras.layers.BatchNormalization(), keras.layers.ReLU()]
+    layers += [keras.layers.Flatten(), keras.layers.Dense(4096, activation="relu"),
+               keras.layers.Dense(4096, activation="relu"), keras.layers.Dense(num_classes)]
+    return keras.Sequential(layers)
+
+
+def keras_rank(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any]:
+    """The Keras path: ``model.train_on_batch`` (a compiled train step) without exchange
+    (``keras-compute``) or with cgx's Keras ``DistributedOptimizer`` (4-bit)."""
+    import torch
+    import torch.distributed as dist
+
+    import cgx.tensorflow.keras as hvd  # before TensorFlow: it orders the native libraries
+    import keras
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(2)  # bucket starts beside backward
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    rank = dist.get_rank()
+    keras.utils.set_random_seed(0)
+    model = keras_vgg11()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, 32, 32, 3, generator=g).numpy()
+    y = torch.randint(0, 10, (batch,), generator=g).numpy()
+    opt = keras.optimizers.SGD(0.01, momentum=0.9)
+    if method.startswith("keras-cgx"):
+        hvd.init()
+        opt = hvd.DistributedOptimizer(opt)
+        if method == "keras-cgx-one-call":  # every gradient in one exchange after backward
+            import cgx.tensorflow.gradients as grads
+            grads.ready_order_buckets = lambda nbytes, cap: [list(range(len(nbytes)))]
+    model.compile(optimizer=opt, jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    times, before = [], None
+    for i in range(warmup + steps):
+        if i == warmup and method.startswith("keras-cgx"):
+            before = hvd.stats().wire_bytes
+        dist.barrier()
+        t0 = time.perf_counter()
+        model.train_on_batch(x, y)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(dt.item())
+    wire = (hvd.stats().wire_bytes - before) / steps if before is not None else 0.0
+    return {"method": method, "times_s": times, "params": int(model.count_params()),
+            "wire_bytes": wire}
+
+
 def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any]:
     """Train ``warmup + steps`` steps with ``method``; return this rank's timings."""
+    if method.startswith("keras"):
+        return keras_rank(method, steps, warmup, batch)
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -157,15 +222,20 @@ def main(argv=None) -> int:
     lines = [f"Command: `python benchmarks/training.py {' '.join(argv or sys.argv[1:])}`", "",
              f"VGG-11 (28.1 M parameters), batch {args.batch}/rank, 2 ranks x 1 thread, "
              f"link {args.rate}", "",
-             "| method | s/step | vs DDP fp32 | MB sent/step/rank |", "|---|---:|---:|---:|"]
+             "| method | s/step | vs DDP fp32 | step / compute-only step | MB sent/step/rank |",
+             "|---|---:|---:|---:|---:|"]
+    floor = {r["method"]: statistics.mean(r["times_s"]) for r in results
+             if r["method"] in ("compute", "keras-compute") and "times_s" in r}
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['method']} | failed: {r['error']} | | |")
+            lines.append(f"| {r['method']} | failed: {r['error']} | | | |")
             continue
         t = statistics.mean(r["times_s"])
         wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 1e6:.1f}"
         speed = f"{base / t:.2f}x" if base else "-"
-        lines.append(f"| {r['method']} | {t:.3f} | {speed} | {wire} |")
+        own = floor.get("keras-compute" if r["method"].startswith("keras") else "compute")
+        vs_floor = f"{t / own:.2f}" if own else "-"
+        lines.append(f"| {r['method']} | {t:.3f} | {speed} | {vs_floor} | {wire} |")
     md = "\n".join(lines)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
@@ -186,7 +256,7 @@ def _plot(results, path, rate) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.8))
     names = [r["method"] for r in ok]
     means = [statistics.mean(r["times_s"]) for r in ok]
-    colors = ["#888888" if n == "compute" else "#1f77b4" if n.startswith("cgx") else "#ff7f0e"
+    colors = ["#888888" if n.endswith("compute") else "#1f77b4" if n.startswith("cgx") else "#ff7f0e"
               for n in names]
     ax.barh(names, means, color=colors)
     for i, m in enumerate(means):

@@ -49,6 +49,28 @@ from cgx.compression.quantization import FLOAT_DTYPES
 from cgx.config import CompressionMode, Config
 from cgx.rules import LayerRules
 
+FIRST_BUCKET_BYTES = 1 << 20  # small first bucket: its reduction starts early in backward
+
+
+def ready_order_buckets(nbytes: Sequence[int], cap_bytes: int,
+                        first_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
+    """Fusion buckets in the order backward produces gradients (the last parameter's
+    first): consecutive indices of ``nbytes`` (float32 bytes per gradient, in parameter
+    order) until a bucket would exceed ``cap_bytes``; the first bucket is capped at
+    ``first_bytes`` so that its exchange starts early. A gradient larger than the cap
+    gets a bucket of its own."""
+    buckets, cur, size = [], [], 0
+    limit = min(cap_bytes, first_bytes)
+    for i in range(len(nbytes) - 1, -1, -1):
+        if cur and size + nbytes[i] > limit:
+            buckets.append(cur)
+            cur, size, limit = [], 0, cap_bytes
+        cur.append(i)
+        size += nbytes[i]
+    if cur:
+        buckets.append(cur)
+    return buckets
+
 STATE_FORMAT = 1
 
 
@@ -228,8 +250,7 @@ class GradientPlan:
         elif self.mode is GradMode.PLANNED:
             if step != self._last_step:  # the first reduction of a step, on every rank
                 self._last_step = step
-                if self.planned.due(step):
-                    self.planned.replan(red.transport, red.config.verbose)
+                self.planned.begin_step(step, red.transport, red.config.verbose, red.timeline)
             planned = self.planned.specs()
             specs = [planned[i] for i in idx]
         if self.mode in (GradMode.EXACT, GradMode.QUANTIZE, GradMode.AUTO, GradMode.PLANNED):
@@ -244,6 +265,8 @@ class GradientPlan:
                              for n, s, w in zip(names, specs, work)]
             red.allreduce(work, specs, op=self.op, prescale_factor=pre, postscale_factor=post,
                           name=name, residuals=residuals, step=step)
+            if self.planned is not None and not shadow:
+                self.planned.note_reduced(step)
         elif self.mode is GradMode.SUMMABLE:
             comp = self.compression
             pairs = [comp.compress_for_reduction(w.mul_(pre) if pre != 1.0 else w,

@@ -153,7 +153,10 @@ def test_keras_reliability_scenarios():
                                              ys[len(ys) // 2:][k * BATCH:(k + 1) * BATCH]])
                              for k in range(STEPS)])
     hvd.init()
-    ref = _train_bpps(hvd, glob_x, glob_y, seed=0, world=1, rank=0)
+    try:
+        ref = _train_bpps(hvd, glob_x, glob_y, seed=0, world=1, rank=0)
+    finally:
+        hvd.shutdown()  # later tests in this process expect no session
     for o in outs:
         for a, b in zip(o["bpps"], ref):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -99,17 +99,21 @@ class Compression:
 
     @staticmethod
     def planned(bits: int = 4, bucket_size: int = 1024, calibrate_steps: int = 5,
-                assume_gbit: Optional[float] = None, error_feedback: bool = False) -> Compressor:
+                assume_gbit: Optional[float] = None, error_feedback: bool = False,
+                replan_every: int = 50, drift_tolerance: float = 0.25) -> Compressor:
         """Exact or quantized per tensor, as the planner predicts is fastest (Espresso).
 
         The first ``calibrate_steps`` steps are traced (uniform quantized exchange), then
         the link and the quantizer are measured and each tensor's option is fixed; a
-        tensor whose exchange hides under backward stays exact. See
-        :class:`PlannedCompression` and :mod:`cgx.planner`.
+        tensor whose exchange hides under backward stays exact. Every ``replan_every``
+        steps the measured step is checked against the prediction and the plan remade
+        when it drifts by more than ``drift_tolerance``. See :class:`PlannedCompression`
+        and :mod:`cgx.planner`.
         """
         return PlannedCompression(bits=bits, bucket_size=bucket_size,
                                   calibrate_steps=calibrate_steps, assume_gbit=assume_gbit,
-                                  error_feedback=error_feedback)
+                                  error_feedback=error_feedback, replan_every=replan_every,
+                                  drift_tolerance=drift_tolerance)
 
     @staticmethod
     def topk(density: float = 0.01, error_feedback: bool = True,

@@ -28,13 +28,21 @@ class PlannedCompression(Compressor):
         assume_gbit: plan for a link of this rate (Gbit/s per rank) instead of the
             measured one: e.g. to see what a slower production network would get.
         error_feedback: keep the quantization residuals of compressed tensors.
+        replan_every: steps between drift checks after the plan (0: never re-plan).
+            A check compares the measured step (first gradient ready to the end of the
+            exchange; the slowest rank's median since the last check) with the plan's
+            prediction; beyond ``drift_tolerance`` the link and the quantizer are measured
+            again and the plan remade. A ratio the model keeps missing after a re-plan is
+            taken as its bias: from then on only a change of the ratio triggers a re-plan.
+        drift_tolerance: relative drift that triggers a re-plan (default 0.25).
     """
 
     kind = CompressorKind.QUANTIZE
     summable = False
 
     def __init__(self, bits: int = 4, bucket_size: int = 1024, calibrate_steps: int = 5,
-                 assume_gbit: Optional[float] = None, error_feedback: bool = False):
+                 assume_gbit: Optional[float] = None, error_feedback: bool = False,
+                 replan_every: int = 50, drift_tolerance: float = 0.25):
         from cgx.config import validate_bits, validate_bucket_size
         self.bits = validate_bits(bits, "Compression.planned bits")
         if self.bits > 8:
@@ -52,7 +60,16 @@ class PlannedCompression(Compressor):
                              "or None to measure the link")
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
+        if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 0:
+            raise ValueError(f"replan_every={replan_every!r} must be an int >= 0 (steps between "
+                             "drift checks; 0 never re-plans)")
+        if isinstance(drift_tolerance, bool) or not isinstance(drift_tolerance, (int, float)) \
+                or not drift_tolerance > 0:
+            raise ValueError(f"drift_tolerance={drift_tolerance!r} must be > 0 (e.g. 0.25: "
+                             "re-plan when the measured step is 25% off the prediction)")
         self.calibrate_steps = calibrate_steps
+        self.replan_every = replan_every
+        self.drift_tolerance = float(drift_tolerance)
         self.assume_gbit = None if assume_gbit is None else float(assume_gbit)
         self.error_feedback = error_feedback
 
@@ -67,4 +84,5 @@ class PlannedCompression(Compressor):
     def __repr__(self) -> str:
         return (f"PlannedCompression(bits={self.bits}, bucket_size={self.bucket_size}, "
                 f"calibrate_steps={self.calibrate_steps}, assume_gbit={self.assume_gbit}, "
-                f"error_feedback={self.error_feedback})")
+                f"error_feedback={self.error_feedback}, replan_every={self.replan_every}, "
+                f"drift_tolerance={self.drift_tolerance})")

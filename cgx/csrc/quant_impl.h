@@ -124,8 +124,12 @@ CGX_INLINE void CGX_FN(store8)(void *p, int64_t i, v8f v, const int dt, const in
 }
 
 /* Pack 8 codes (< 2^bits) into `bits` bytes: code j at bits [j*bits, (j+1)*bits)
- * of a little-endian word. `bits` is a compile-time constant in every caller. */
-CGX_INLINE void CGX_FN(pack8)(v8i q, uint8_t *dst, const int bits) {
+ * of a little-endian word. `bits` is a compile-time constant in every caller.
+ * With `spill` and bits = 5, 6 or 7 the whole 8-byte word is stored (one store
+ * instead of two or three); the 8 - bits < bits bytes past the group belong to
+ * the next group of the same bucket, whose store rewrites them, so callers pass
+ * it for every group but a bucket's last. */
+CGX_INLINE void CGX_FN(pack8)(v8i q, uint8_t *dst, const int bits, const int spill) {
     uint64_t w;
 #if CGX_SIMD
     __m256i qi = (__m256i)q;
@@ -138,14 +142,20 @@ CGX_INLINE void CGX_FN(pack8)(v8i q, uint8_t *dst, const int bits) {
         d = _mm_or_si128(d, _mm_shuffle_epi32(d, 0x4E));
         d = _mm_or_si128(d, _mm_shuffle_epi32(d, 0xB1));
         w = (uint32_t)_mm_cvtsi128_si32(d);
+    } else if (bits == 8) {
+        /* one byte per code: gather byte 0 of each 32-bit lane within each half */
+        const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1,
+                                              -1, -1, -1, -1, -1, -1);
+        __m256i t = _mm256_shuffle_epi8(qi, pick);
+        w = (uint64_t)(uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(t)) |
+            (uint64_t)(uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(t, 1)) << 32;
     } else {
-        /* widen to 2 x 4 uint64 lanes, shift each code to its place, OR the lanes */
-        const __m256i sh_lo = _mm256_setr_epi64x(0, bits, 2 * bits, 3 * bits);
-        const __m256i sh_hi = _mm256_setr_epi64x(4 * bits, 5 * bits, 6 * bits, 7 * bits);
-        __m256i a = _mm256_sllv_epi64(_mm256_cvtepu32_epi64(_mm256_castsi256_si128(qi)), sh_lo);
-        __m256i b = _mm256_sllv_epi64(_mm256_cvtepu32_epi64(_mm256_extracti128_si256(qi, 1)),
-                                      sh_hi);
-        __m256i c = _mm256_or_si256(a, b);
+        /* 64-bit lane k holds codes 2k (low half) and 2k+1 (high half): join them
+         * into one 2*bits-bit value, shift the four values to their places, OR */
+        __m256i pair = _mm256_or_si256(_mm256_srli_epi64(qi, 32 - bits),
+                                       _mm256_and_si256(qi, _mm256_set1_epi64x(0xFFFFFFFF)));
+        __m256i c = _mm256_sllv_epi64(pair, _mm256_setr_epi64x(0, 2 * bits, 4 * bits, 6 * bits));
         __m128i d = _mm_or_si128(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
         d = _mm_or_si128(d, _mm_unpackhi_epi64(d, d));
         w = (uint64_t)_mm_cvtsi128_si64(d);
@@ -156,7 +166,10 @@ CGX_INLINE void CGX_FN(pack8)(v8i q, uint8_t *dst, const int bits) {
     w = 0;
     for (int j = 0; j < 8; j++) w |= (uint64_t)lanes[j] << (j * bits);
 #endif
-    memcpy(dst, &w, (size_t)bits);
+    if (spill && bits > 4 && bits < 8)
+        memcpy(dst, &w, 8);
+    else
+        memcpy(dst, &w, (size_t)bits);
 }
 
 /* Inverse of pack8, as float32 codes. */
@@ -206,7 +219,7 @@ CGX_INLINE v8i CGX_FN(encode8)(v8f v, v8f lo, v8f inv, v8f levels, v8f r) {
 CGX_INLINE void CGX_FN(quantize_bucket)(void *x, int64_t s, int64_t len, uint8_t *meta,
                                         uint8_t *codes, uint32_t key, uint32_t idx0,
                                         const int bits, const int dt, const int stochastic,
-                                        const int write_back) {
+                                        const int write_back, const int64_t prefetch_bytes) {
     const int64_t full = len & ~(int64_t)7;
     const int rest = (int)(len - full);
 
@@ -278,12 +291,18 @@ CGX_INLINE void CGX_FN(quantize_bucket)(void *x, int64_t s, int64_t len, uint8_t
     const v8f vlo1 = splat(lo), vinv = splat(inv), vunit = splat(unit);
     const v8f levels = splat((float)((1 << bits) - 1));
 
-    /* pass 2 (the bucket is now in L1/L2): codes, and decoded values for write_back */
+    /* pass 2 (the bucket is now in L1/L2): codes, and decoded values for write_back.
+     * It also prefetches the next bucket (`ahead` bytes further), so that pass 1 of
+     * the next bucket reads from cache and pass 2's arithmetic overlaps memory. */
     v8u hash = noise_start(key, idx0);
+    const int esize = dt == CGX_DT_FLOAT32 ? 4 : 2;
+    const char *ahead = (const char *)x + (s + len) * esize;
     for (int64_t i = 0; i < full; i += 8) {
+        if ((i & 15) == 0 && i * esize < prefetch_bytes)
+            __builtin_prefetch(ahead + i * esize, 0, 3);
         const v8f r = stochastic ? noise_next(&hash) : splat(0.5f);
         v8i q = CGX_FN(encode8)(CGX_FN(load8)(x, s + i, dt), vlo1, vinv, levels, r);
-        CGX_FN(pack8)(q, codes + i / 8 * bits, bits);
+        CGX_FN(pack8)(q, codes + i / 8 * bits, bits, i + 8 < full || rest);
         if (write_back)
             CGX_FN(store8)(x, s + i, vlo1 + vunit * __builtin_convertvector(q, v8f), dt, 8);
     }
@@ -292,7 +311,7 @@ CGX_INLINE void CGX_FN(quantize_bucket)(void *x, int64_t s, int64_t len, uint8_t
         const v8f r = stochastic ? noise_next(&hash) : splat(0.5f);
         v8i q = CGX_FN(encode8)(v, vlo1, vinv, levels, r);
         for (int j = rest; j < 8; j++) q[j] = 0; /* padding codes are zero */
-        CGX_FN(pack8)(q, codes + full / 8 * bits, bits);
+        CGX_FN(pack8)(q, codes + full / 8 * bits, bits, 0);
         if (write_back)
             CGX_FN(store8)(x, s + full, vlo1 + vunit * __builtin_convertvector(q, v8f), dt, rest);
     }
@@ -334,8 +353,11 @@ CGX_INLINE void CGX_FN(quantize_range)(void *x, int64_t n, int64_t bucket_size, 
     for (int64_t b = b0; b < b1; b++) {
         const int64_t s = b * bucket_size;
         const int64_t len = n - s < bucket_size ? n - s : bucket_size;
+        /* bytes of the next bucket that exist (none after the last one) */
+        const int64_t next = n - (s + len) < bucket_size ? n - (s + len) : bucket_size;
+        const int64_t pf = b + 1 < b1 ? next * (dt == CGX_DT_FLOAT32 ? 4 : 2) : 0;
         CGX_FN(quantize_bucket)(x, s, len, payload + 8 * b, codes + s / 8 * bits, key,
-                                index_offset + (uint32_t)s, bits, dt, stochastic, write_back);
+                                index_offset + (uint32_t)s, bits, dt, stochastic, write_back, pf);
     }
 }
 

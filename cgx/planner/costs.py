@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 from cgx.compression.wire import packed_nbytes
 
@@ -79,9 +79,11 @@ class TensorProfile:
     rows: Optional[int] = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Option:
-    """One way to exchange a tensor: compute before, collectives (bytes sent per rank), compute after."""
+class Option(NamedTuple):
+    """One way to exchange a tensor: compute before, collectives (bytes sent per rank), compute after.
+
+    A named tuple, not a dataclass: the planner builds a few per tensor on every decision.
+    """
 
     name: str
     compress_s: float
@@ -98,49 +100,20 @@ class Option:
 
 def _option(m: CostModel, name: str, compress_s: float, wire, decompress_s: float) -> Option:
     """An option with its linear network time and its calls filled in for ``m``."""
-    wire = tuple(wire)
-    return Option(name, compress_s, wire, decompress_s,
-                  sum(m.links[k].beta * b for k, b in wire),
-                  tuple((name, k) for k, b in wire if b > 0))
-
-
-def exact(t: TensorProfile, m: CostModel) -> Option:
-    P = m.world
-    return _option(m, "exact", 0.0, ((Collective.ALLREDUCE, 2 * (P - 1) * 4 * t.numel // P),), 0.0)
-
-
-def fp16(t: TensorProfile, m: CostModel) -> Option:
-    P = m.world
-    cast = 4 * t.numel / m.cast_bps
-    return _option(m, "fp16", cast, ((Collective.ALLREDUCE, 2 * (P - 1) * 2 * t.numel // P),), cast)
-
-
-def sra(t: TensorProfile, m: CostModel, bits: int, bucket: int = 1024) -> Option:
-    """Scatter-reduce-allgather of quantized chunks (cgx's SRA): each rank owns 1/P."""
-    P = m.world
-    chunk = packed_nbytes(-(-t.numel // P), bits, bucket)
-    n4 = 4 * t.numel
-    # Compress everything once, then the reduced own chunk again; decompress the P-1
-    # received chunks (reduce) and the P-1 gathered ones.
-    return _option(m, f"sra-{bits}bit", n4 * (1 + 1 / P) / m.compress_bps,
-                  ((Collective.ALLTOALL, (P - 1) * chunk), (Collective.ALLGATHER, (P - 1) * chunk)),
-                  2 * n4 * (P - 1) / P / m.decompress_bps)
-
-
-def allgather(t: TensorProfile, m: CostModel, bits: int, bucket: int = 1024) -> Option:
-    """Every rank gathers every rank's quantized tensor and sums (cgx's allgather)."""
-    P = m.world
-    n4 = 4 * t.numel
-    return _option(m, f"allgather-{bits}bit", n4 / m.compress_bps,
-                  ((Collective.ALLGATHER, (P - 1) * packed_nbytes(t.numel, bits, bucket)),),
-                  n4 * (P - 1) / m.decompress_bps)
+    links = m.links
+    linear, calls = 0.0, []
+    for k, b in wire:
+        linear += links[k].beta * b
+        if b > 0:
+            calls.append((name, k))
+    return Option(name, compress_s, tuple(wire), decompress_s, linear, tuple(calls))
 
 
 def sufficient_factors(t: TensorProfile, m: CostModel) -> Optional[Option]:
     """All-gather each rank's K x (M + N) factors and rebuild; only where Poseidon's rule holds."""
-    from cgx.sufficient_factors import worth_it
     if t.shape is None or not t.rows:
         return None
+    from cgx.sufficient_factors import worth_it
     rows, (out_f, in_f) = t.rows, t.shape
     if not worth_it(rows, m.world, out_f, in_f):
         return None
@@ -155,21 +128,65 @@ def sufficient_factors(t: TensorProfile, m: CostModel) -> Optional[Option]:
 DEFAULT_BITS = (4,)
 
 
+ALL_FAMILIES = ("exact", "fp16", "sra", "allgather", "sfb")
+
+
 def options_for(t: TensorProfile, m: CostModel, bits=DEFAULT_BITS, families=None) -> list[Option]:
     """Every option of ``t``, exact first (the planner keeps the first of equal options)."""
-    fams = set(families or ("exact", "fp16", "sra", "allgather", "sfb"))
-    out = [exact(t, m)]
-    if m.world == 1:
+    return OptionMaker(m, bits, families)(t)
+
+
+class OptionMaker:
+    """:func:`options_for` with the model's constants looked up once: the planner builds
+    the options of hundreds of tensors per decision. Same options, same order."""
+
+    def __init__(self, m: CostModel, bits=DEFAULT_BITS, families=None):
+        fams = set(families or ALL_FAMILIES)
+        self.m, self.P = m, m.world
+        self.fp16 = "fp16" in fams and m.world > 1
+        self.sra = "sra" in fams and m.world > 1
+        self.allgather = "allgather" in fams and m.world > 1
+        self.sfb = "sfb" in fams and m.world > 1
+        self.bits = tuple(bits)
+        self.beta = {k: ab.beta for k, ab in m.links.items()}
+        self.compress_bps, self.decompress_bps = m.compress_bps, m.decompress_bps
+        self.cast_bps = m.cast_bps
+        self.names = {b: (f"sra-{b}bit", f"allgather-{b}bit") for b in self.bits}
+
+    def __call__(self, t: TensorProfile, bucket: int = 1024) -> list[Option]:
+        P, n, beta = self.P, t.numel, self.beta
+        AR, A2A, AG = Collective.ALLREDUCE, Collective.ALLTOALL, Collective.ALLGATHER
+        # exact and fp16: a ring allreduce of 4 or 2 bytes per value, with a cast each way
+        # for fp16. sra: scatter-reduce-allgather of quantized chunks (each rank owns 1/P):
+        # compress everything once, then the reduced own chunk again; decompress the P-1
+        # received chunks (reduce) and the P-1 gathered ones. allgather: every rank
+        # gathers every rank's quantized tensor and sums.
+        b = 2 * (P - 1) * 4 * n // P
+        out = [Option("exact", 0.0, ((AR, b),), 0.0, beta[AR] * b, (("exact", AR),) if b else ())]
+        if P == 1:
+            return out
+        n4 = 4 * n
+        if self.fp16:
+            b = 2 * (P - 1) * 2 * n // P
+            cast = n4 / self.cast_bps
+            out.append(Option("fp16", cast, ((AR, b),), cast, beta[AR] * b,
+                              (("fp16", AR),) if b else ()))
+        for bits in self.bits:
+            sra_name, ag_name = self.names[bits]
+            if self.sra:
+                c = (P - 1) * packed_nbytes(-(-n // P), bits, bucket)
+                calls = ((sra_name, A2A), (sra_name, AG)) if c else ()
+                out.append(Option(sra_name, n4 * (1 + 1 / P) / self.compress_bps,
+                                  ((A2A, c), (AG, c)),
+                                  2 * n4 * (P - 1) / P / self.decompress_bps,
+                                  beta[A2A] * c + beta[AG] * c, calls))
+            if self.allgather:
+                c = (P - 1) * packed_nbytes(n, bits, bucket)
+                out.append(Option(ag_name, n4 / self.compress_bps, ((AG, c),),
+                                  n4 * (P - 1) / self.decompress_bps, beta[AG] * c,
+                                  ((ag_name, AG),) if c else ()))
+        if self.sfb and t.shape is not None and t.rows:
+            sf = sufficient_factors(t, self.m)
+            if sf is not None:
+                out.append(sf)
         return out
-    if "fp16" in fams:
-        out.append(fp16(t, m))
-    for b in bits:
-        if "sra" in fams:
-            out.append(sra(t, m, b))
-        if "allgather" in fams:
-            out.append(allgather(t, m, b))
-    if "sfb" in fams:
-        sf = sufficient_factors(t, m)
-        if sf is not None:
-            out.append(sf)
-    return out

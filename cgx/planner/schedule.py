@@ -9,12 +9,20 @@ Timeline (``c`` = calibrate_steps)::
                    collective, the slowest rank's), the quantizer's throughput is agreed
                    (MIN over ranks), and the planner fixes each tensor's option
 
+    every ``replan_every`` steps after a plan, at the first reduction of the step: the
+                   measured step (first gradient ready to the end of the step's last
+                   reduction) is agreed (MAX over ranks of each rank's median) and compared
+                   with the prediction; a drift beyond ``drift_tolerance`` re-measures and
+                   re-plans from the latest ready times
+
 Every input of the planner is agreed over the ranks and the planner is deterministic,
 so every rank holds the same plan: the ranks issue the same collectives.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
 import statistics
 import sys
@@ -33,8 +41,19 @@ _FAMILY = {ReductionType.SRA: "sra", ReductionType.RING: "sra",
            ReductionType.ALLGATHER: "allgather"}
 
 
+@dataclasses.dataclass
+class DriftCheck:
+    """One drift check: the step it ran at, the plan's prediction, the agreed measurement."""
+
+    step: int
+    predicted_s: float
+    measured_s: float
+    expected_ratio: float  # measured/predicted taken as normal (1, or the model's bias)
+    replanned: bool
+
+
 class PlannedSchedule:
-    """Ready times while calibrating, then the fixed per-tensor choice.
+    """Ready times while calibrating, then the per-tensor choice, checked for drift.
 
     Args:
         names, shapes: the gradients (plan order).
@@ -55,32 +74,103 @@ class PlannedSchedule:
         self.fusion_mb = float(fusion_mb)
         self.chosen: Optional[list[bool]] = None  # per tensor: compressed?
         self.plan: Optional[Plan] = None
-        self._ready: list[list[float]] = [[] for _ in self.names]
-        self._step_start: Optional[float] = None
-        self._step_seen: Optional[int] = None
+        self.planned_at: Optional[int] = None  # the step of the last plan
+        self.checks: list[DriftCheck] = []  # every drift check, in order
+        # The latest ready times (seconds after the step's first), per tensor.
+        window = max(settings.calibrate_steps, 5)
+        self._ready = [collections.deque(maxlen=window) for _ in self.names]
+        self._starts: dict[int, float] = {}  # step -> its first gradient's ready time
+        self._end: Optional[tuple[int, float]] = None  # (step, end of its latest reduction)
+        self._measured: list[float] = []  # steps measured since the last check
+        self._ratio = 1.0  # measured/predicted the checks take as normal
+        self._calibrate_ratio = False  # the next check sets _ratio (after a drift re-plan)
 
     # -- main thread: backward hooks ---------------------------------------------------
-    def calibrating(self) -> bool:
-        return self.chosen is None
-
     def note_ready(self, index: int, step: int) -> None:
         """Gradient ``index`` is ready (called from the backward hook)."""
         now = time.perf_counter()
-        if step != self._step_seen:
-            self._step_seen, self._step_start = step, now
+        start = self._starts.get(step)
+        if start is None:
+            start = self._starts[step] = now
+            for old in [s for s in self._starts if s < step - 4]:
+                del self._starts[old]
         if step >= 1:  # step 0 warms up (allocations, first-call costs)
-            self._ready[index].append(now - self._step_start)
+            self._ready[index].append(now - start)
 
     # -- engine thread ------------------------------------------------------------------
     def due(self, step: int) -> bool:
         return self.chosen is None and step >= self.settings.calibrate_steps
+
+    def note_reduced(self, step: int) -> None:
+        """A reduction of ``step`` finished (engine thread)."""
+        self._end = (step, time.perf_counter())
+
+    def begin_step(self, step: int, transport, verbose: bool = False, timeline=None) -> None:
+        """The first reduction of ``step`` on every rank: plan when due, check for drift.
+        Plans and checks are also marked on ``timeline`` (``cgx.timeline``) when given."""
+        planned_before, checks_before = self.plan, len(self.checks)
+        self._begin_step(step, transport, verbose)
+        if timeline is None or not timeline.enabled:
+            return
+        for c in self.checks[checks_before:]:
+            timeline.instant("drift check", row="planner",
+                             args={"step": c.step, "predicted_ms": 1e3 * c.predicted_s,
+                                   "measured_ms": 1e3 * c.measured_s, "replanned": c.replanned})
+        if self.plan is not planned_before:
+            p = self.plan
+            timeline.instant("plan", row="planner", args={
+                "step": step, "predicted_ms": 1e3 * p.step_s,
+                "choices": {t.name: o.name for t, o in zip(p.tensors, p.chosen)}})
+
+    def _begin_step(self, step: int, transport, verbose: bool) -> None:
+        if self._end is not None and self.planned_at is not None:
+            # The previous step's exchange ended with its latest reduction. The first
+            # step after a plan still carries the calibration; it is not measured.
+            s, end = self._end
+            start = self._starts.get(s)
+            if start is not None and s > self.planned_at and s < step:
+                self._measured.append(end - start)
+        if self.due(step):
+            self.replan(transport, verbose, step=step)
+        elif (self.plan is not None and self.planned_at is not None
+              and self.settings.replan_every
+              and (step - self.planned_at) % self.settings.replan_every == 0):
+            self.check_drift(step, transport, verbose)
+
+    def check_drift(self, step: int, transport, verbose: bool = False) -> DriftCheck:
+        """Agree on the measured step; re-plan when it drifts from the prediction. A
+        collective: every rank calls it at the same step."""
+        from cgx.comm.base import ReduceOp
+        local = statistics.median(self._measured) if self._measured else 0.0
+        self._measured = []
+        agreed = torch.tensor([local], dtype=torch.float64, device=transport.device)
+        if transport.size > 1:
+            transport.allreduce(agreed, ReduceOp.MAX)
+        measured = float(agreed.item())
+        predicted = self.plan.step_s
+        ratio = measured / predicted if predicted > 0 else 1.0
+        if self._calibrate_ratio and measured > 0:
+            # Just re-planned for drift and still off: what the model misses, it misses
+            # steadily; only a change from here is drift.
+            self._ratio, self._calibrate_ratio = ratio, False
+        drift = measured > 0 and abs(ratio / self._ratio - 1.0) > self.settings.drift_tolerance
+        check = DriftCheck(step, predicted, measured, self._ratio, drift)
+        self.checks.append(check)
+        if drift:
+            if verbose:
+                print(f"cgx: step {step}: measured step {1e3 * measured:.1f} ms against "
+                      f"{1e3 * predicted * self._ratio:.1f} ms expected; re-planning",
+                      file=sys.stderr, flush=True)
+            self.replan(transport, verbose, step=step)
+            self._calibrate_ratio = True
+        return check
 
     def specs(self) -> list:
         if self.chosen is None:
             return list(self.eligible)
         return [s if c else None for s, c in zip(self.eligible, self.chosen)]
 
-    def replan(self, transport, verbose: bool = False) -> Plan:
+    def replan(self, transport, verbose: bool = False, step: Optional[int] = None) -> Plan:
         """Every rank at the same point: agree on the profile, measure, plan."""
         from cgx.comm.base import ReduceOp
         from cgx.planner.calibration import compressor_throughput, link_model
@@ -113,7 +203,8 @@ class PlannedSchedule:
         self.chosen = [e is not None and opt.name != "exact"
                        for e, opt in zip(self.eligible, result.chosen)]
         self.plan = result
-        self._ready = [[] for _ in self.names]
+        self.planned_at = step
+        self._measured = []
         if verbose:
             print(f"cgx: planned exchange ({sum(self.chosen)} of {n} tensors compressed)\n"
                   + format_plan(result, limit=20), file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ import dataclasses
 import time
 from typing import Optional, Sequence
 
-from cgx.planner.costs import DEFAULT_BITS, CostModel, Option, TensorProfile, options_for
+from cgx.planner.costs import DEFAULT_BITS, CostModel, Option, OptionMaker, TensorProfile
 from cgx.planner.simulator import GroupCost, Lanes, Timeline, advance, simulate
 
 DEFAULT_FUSION_MB = (4.0, 16.0, 64.0)
@@ -52,15 +52,22 @@ class _Group:
 
     __slots__ = ("ready", "compress", "decompress", "comm", "users", "alpha")
 
-    def __init__(self, members, tensors, choice, model):
-        self.alpha = {kind: ab.alpha for kind, ab in model.links.items()}
+    def __init__(self, members, tensors, choice, alpha):
+        self.alpha = alpha  # collective -> seconds per call
         self.ready = max(tensors[i].ready_s for i in members)
-        self.compress = sum(choice[i].compress_s for i in members)
-        self.decompress = sum(choice[i].decompress_s for i in members)
-        self.users: dict[tuple, int] = {}  # (option name, collective) -> members using that call
-        self.comm = 0.0
+        users: dict[tuple, int] = {}  # (option name, collective) -> members using that call
+        compress = decompress = comm = 0.0
         for i in members:
-            self.swap(None, choice[i])
+            o = choice[i]
+            compress += o.compress_s
+            decompress += o.decompress_s
+            comm += o.linear_s
+            for key in o.calls:
+                n = users.get(key, 0)
+                if not n:
+                    comm += alpha[key[1]]
+                users[key] = n + 1
+        self.users, self.compress, self.decompress, self.comm = users, compress, decompress, comm
 
     def _comm_delta(self, old: Optional[Option], new: Option) -> float:
         delta = new.linear_s - (old.linear_s if old is not None else 0.0)
@@ -154,12 +161,20 @@ def _apply(f: Functional, lanes: Lanes) -> float:
 def _worth_trying(opts: list[Option], model: CostModel) -> list[int]:
     """Indices of the options to try: exact, and any option no other beats on both
     compute and (uncontended) network time."""
-    cost = [(o.compress_s + o.decompress_s, sum(model.comm(k, b) for k, b in o.wire)) for o in opts]
+    alpha = {kind: ab.alpha for kind, ab in model.links.items()}
+    cost = []
+    for o in opts:
+        net = o.linear_s
+        for _, kind in o.calls:
+            net += alpha[kind]
+        cost.append((o.compress_s + o.decompress_s, net))
     keep = [0]
     for j in range(1, len(opts)):
         cj, nj = cost[j]
-        if not any((ci <= cj and ni <= nj) and (ci < cj or ni < nj or i < j)
-                   for i, (ci, ni) in enumerate(cost) if i != j):
+        for i, (ci, ni) in enumerate(cost):
+            if i != j and ci <= cj and ni <= nj and (ci < cj or ni < nj or i < j):
+                break  # option i is at least as good on both counts
+        else:
             keep.append(j)
     return keep
 
@@ -225,7 +240,8 @@ class _Sweeper:
         self.options, self.tries_of = options, tries_of
         self.choice = [0] * len(tensors)
         self.current = [opts[0] for opts in options]
-        self.state = [_Group(members, tensors, self.current, model) for members in groups]
+        alpha = {kind: ab.alpha for kind, ab in model.links.items()}
+        self.state = [_Group(members, tensors, self.current, alpha) for members in groups]
         self.by_size = [sorted(members, key=lambda k: -tensors[k].numel) for members in groups]
         self.terminal = _terminal(backward_s, tail_s)
 
@@ -288,12 +304,20 @@ def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, 
         raise ValueError("fusion_mb needs at least one threshold (MB of float32 per group)")
     if exact_only is not None and len(exact_only) != len(tensors):
         raise ValueError(f"exact_only has {len(exact_only)} entries for {len(tensors)} tensors")
-    options = [options_for(t, model, bits=bits, families=families)[:1]
-               if exact_only is not None and exact_only[k] else
-               options_for(t, model, bits=bits, families=families)
-               for k, t in enumerate(tensors)]
+    # Tensors of one shape share their options (models repeat shapes: blocks, heads).
+    cache: dict[tuple, tuple[list[Option], list[int]]] = {}
+    options, tries_of = [], []
+    options_for = OptionMaker(model, bits, families)
+    for k, t in enumerate(tensors):
+        key = (t.numel, t.shape, t.rows, exact_only is not None and exact_only[k])
+        if key not in cache:
+            opts = options_for(t)
+            if key[3]:
+                opts = opts[:1]
+            cache[key] = (opts, _worth_trying(opts, model))
+        options.append(cache[key][0])
+        tries_of.append(cache[key][1])
     order = sorted(range(len(tensors)), key=lambda i: tensors[i].ready_s)
-    tries_of = [_worth_trying(opts, model) for opts in options]
     # Every threshold gets a forward sweep; the best then gets the backward sweep too
     # (a second round changes nothing on the brute-force instances of benchmarks/planner.py).
     best = None

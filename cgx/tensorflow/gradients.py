@@ -1,16 +1,24 @@
 """Gradient exchange for TensorFlow: ``DistributedGradientTape`` and the shared exchange.
 
-How gradients cross the frameworks (one ``tf.py_function`` op per exchange,
-or a direct call when eager)::
+How gradients cross the frameworks::
 
     TF gradients --DLPack view, one copy--> torch work buffers
-        --session.run(GradientPlan.reduce)--> reduced in place on the engine thread
+        --session.submit(GradientPlan.reduce)--> reduced in place on the engine thread
         --DLPack, no copy--> TF tensors
+
+Inside a ``tf.function`` (``model.fit``, a compiled train step) the gradients are
+cut into fusion buckets in the order backward produces them (the last layer's
+first, ``CGX_FUSION_BUFFER_SIZE_MB``, a small first bucket), as the torch
+optimizer does. Each bucket gets a ``tf.py_function`` that starts its exchange
+and depends only on that bucket's gradients, so TensorFlow's executor runs it as
+soon as they exist, while backward goes on; the starts are chained, so every rank
+issues the buckets in the same order. One last op waits for all of them (the time
+it waits is the exposed communication). Eagerly, backward is over before the
+exchange is called: the gradients go in one call.
 
 The :class:`~cgx.grad_plan.GradientPlan` decides per gradient, by
 variable name and shape, whether it travels quantized (``CGX_*`` settings and
-layer rules, as ``cgx.torch.DistributedOptimizer`` does) or exact. All
-gradients of one call are reduced in one fused collective; ``None``
+layer rules, as ``cgx.torch.DistributedOptimizer`` does) or exact; ``None``
 gradients are left out (the variable set is the same on every rank: one
 graph), and ``tf.IndexedSlices`` are made dense so they can be compressed.
 """
@@ -28,7 +36,8 @@ import tensorflow as tf
 from cgx import session
 from cgx.compression import Compression
 from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf
-from cgx.grad_plan import GradientPlan, unique_names
+from cgx import runtime
+from cgx.grad_plan import GradientPlan, ready_order_buckets, unique_names
 from cgx.collectives.functional import Average, Sum, group_size
 from cgx.process_sets import global_process_set
 from cgx.collectives.reducer import ReduceStats
@@ -87,12 +96,6 @@ class GradientExchange:
                  label: Optional[str] = None, process_set=global_process_set,
                  sparse_as_dense: bool = False):
         check_gradient_args(op, gradient_predivide_factor, "gradient reduction")
-        from cgx.compression.planned import PlannedCompression
-        if isinstance(compression, PlannedCompression):
-            raise ValueError("Compression.planned() plans against the backward timeline, which "
-                             "the TensorFlow path does not trace yet (it exchanges after the "
-                             "whole backward); use compression='auto' or "
-                             "Compression.quantize(bits=4) here")
         self._user = tf_side_compressor(compression)
         self.compression = Compression.exact if self._user is not None else compression
         self.op = op
@@ -104,6 +107,10 @@ class GradientExchange:
         self.label = label or f"grads{next(_labels)}"
         self._plans: dict = {}
         self._lock = threading.Lock()
+        # Buckets started and not yet collected: ticket -> (handle, work buffers).
+        self._inflight: dict = {}
+        self._tickets = itertools.count(1)
+        self._step_of: dict = {}  # plan id -> the step its current exchange reduces
         # compression="auto": plans restored from a checkpoint, applied when the
         # GradientPlan of the same layers is created (at the first exchange).
         self.pending_plans: list = []
@@ -228,27 +235,70 @@ class GradientExchange:
             shapes.append(shape)
         plan = self.plan(unique_names([names[i] for i in keep], self.label),
                          [s.as_list() for s in shapes], [g.dtype.name for g in sub])
-        inputs = sub + ([] if step is None else [tf.cast(step, tf.int64)])
-        label = self.label
-
-        def body(*xs):
-            st = int(xs[-1].numpy()) if step is not None else None
-            work = [copy_to_torch(x) for x in xs[:len(sub)]]
-            timeline = session.reducer().timeline
-            if timeline.enabled:  # the whole backward is done: every gradient is ready
-                timeline.instant("ready", row=label, args={"tensors": plan.names})
-            t0 = time.perf_counter()
-            out = session.run(plan.reduce, work, name=label, step=st, label=label)
-            # Keras exchanges after the whole backward: all of it is exposed.
-            session.reducer().add_stats(ReduceStats(steps=1,
-                                                    exposed_seconds=time.perf_counter() - t0))
-            return [to_tf(o) for o in out]
-
-        reduced = run_collective(body, inputs, [g.dtype for g in sub], shapes, label)
+        if tf.executing_eagerly():
+            buckets = [list(range(len(sub)))]  # backward is over: one call
+        else:
+            buckets = ready_order_buckets([4 * s.num_elements() for s in shapes],
+                                          runtime.config().fusion_buffer_bytes)
+        reduced = self._overlapped(plan, sub, shapes, buckets, step)
         out = list(dense)
         for i, r in zip(keep, reduced):
             out[i] = r
         return out
+
+
+    def _overlapped(self, plan: GradientPlan, sub: list, shapes: list, buckets: list,
+                    step) -> list:
+        """One start op per bucket (chained: the same order on every rank), one finish op."""
+        label = self.label
+        steps = [] if step is None else [tf.cast(step, tf.int64)]
+        token = tf.zeros([], tf.int64)
+        tickets = []
+        for k, bucket in enumerate(buckets):
+            def start(*xs, k=k, bucket=bucket):
+                # xs: the bucket's gradients, the previous start's ticket (an input only to
+                # order the starts), the step when the caller has one
+                if k == 0:  # a new exchange: one step for all its buckets
+                    st = int(xs[-1].numpy()) if step is not None else plan.step
+                    self._step_of[id(plan)] = st
+                else:
+                    st = self._step_of[id(plan)]
+                if plan.planned is not None:  # ready times for the planner
+                    for i in bucket:
+                        plan.planned.note_ready(i, st)
+                timeline = session.reducer().timeline
+                if timeline.enabled:
+                    timeline.instant("ready", row=label,
+                                     args={"tensors": [plan.names[i] for i in bucket]})
+                work = [copy_to_torch(x) for x in xs[:len(bucket)]]
+                handle = session.submit(plan.reduce, work, name=f"{label}.bucket{k}", step=st,
+                                        indices=bucket, label=label)
+                ticket = next(self._tickets)
+                with self._lock:
+                    self._inflight[ticket] = (handle, work)
+                return [tf.constant(ticket, tf.int64)]
+
+            inputs = [sub[i] for i in bucket] + [token] + steps
+            token = run_collective(start, inputs, [tf.int64], [tf.TensorShape([])],
+                                   f"{label}.start{k}")[0]
+            tickets.append(token)
+
+        def finish(*ids):
+            out: list = [None] * len(sub)
+            t0 = time.perf_counter()
+            for ticket, bucket in zip(ids, buckets):
+                with self._lock:
+                    handle, work = self._inflight.pop(int(ticket.numpy()))
+                for i, o in zip(bucket, handle.wait(session.wait_timeout())):
+                    out[i] = o
+            # What the step waited for after its backward: the exposed communication.
+            session.reducer().add_stats(ReduceStats(steps=1,
+                                                    exposed_seconds=time.perf_counter() - t0))
+            if step is None:  # the plan's own step counter: one per exchange, as when eager
+                plan.step = self._step_of[id(plan)] + 1
+            return [to_tf(o) for o in out]
+
+        return run_collective(finish, tickets, [g.dtype for g in sub], shapes, f"{label}.finish")
 
 
 # Tapes are usually wrapped anew at every step (Horovod's idiom); the exchange

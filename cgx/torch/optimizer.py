@@ -41,13 +41,12 @@ from cgx.comm.base import ReduceOp
 from cgx.comm.consistency import Signature, describe, signature
 from cgx.compression import Compression, as_compressor
 from cgx.errors import CGXError, CollectiveMismatchError
-from cgx.grad_plan import GradientPlan, GradMode  # noqa: F401 - GradMode: part of the API
+from cgx.grad_plan import GradientPlan, GradMode, ready_order_buckets  # noqa: F401 - GradMode: API
 from cgx import session
 from cgx.collectives.functional import Average, Sum, group_size, resolve_process_set
 from cgx.process_sets import global_process_set, reducer_of
 
 STATE_FORMAT = 1
-FIRST_BUCKET_BYTES = 1 << 20  # small first bucket: its reduction starts early in backward
 
 
 _registry: "weakref.WeakValueDictionary[int, DistributedOptimizer]" = weakref.WeakValueDictionary()
@@ -325,18 +324,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._num_groups:
             n = min(self._num_groups, len(rev)) or 1
             return [rev[k * len(rev) // n:(k + 1) * len(rev) // n] for k in range(n)]
-        buckets, cur, size = [], [], 0
-        limit = min(cap_bytes, FIRST_BUCKET_BYTES)
-        for i in rev:
-            nbytes = params[i].numel() * 4
-            if cur and size + nbytes > limit:
-                buckets.append(cur)
-                cur, size, limit = [], 0, cap_bytes
-            cur.append(i)
-            size += nbytes
-        if cur:
-            buckets.append(cur)
-        return buckets
+        kept = rev[::-1]  # parameter order, without the sufficient-factor weights
+        return [[kept[j] for j in b]
+                for b in ready_order_buckets([params[i].numel() * 4 for i in kept], cap_bytes)]
 
     def _reset_step_state(self) -> None:
         self._sparse_out: dict = {}  # sparse gradients reduced this step, by index
@@ -371,7 +361,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._counts[i] = c
             if c == self._bpps:
                 planned = self._plan.planned
-                if planned is not None and planned.calibrating():
+                if planned is not None:  # ready times: the plan's input, then drift checks
                     planned.note_ready(i, self._step_count)
                 b = self._bucket_of[i]
                 if self._timeline.enabled:
@@ -503,6 +493,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         :class:`cgx.planner.Plan` (``cgx.planner.format_plan`` prints it per tensor), or
         None while the first steps are traced (and in other modes)."""
         return self._plan.planned.plan if self._plan.planned is not None else None
+
+    def exchange_checks(self) -> list:
+        """With ``Compression.planned(...)``: every drift check so far, as
+        :class:`cgx.planner.schedule.DriftCheck` (step, predicted and measured step time,
+        whether it re-planned); empty in other modes."""
+        return list(self._plan.planned.checks) if self._plan.planned is not None else []
 
     def synchronize(self) -> None:
         """Finish the gradient exchange of this step: afterwards ``p.grad`` holds the average.

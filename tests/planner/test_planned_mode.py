@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -80,6 +82,60 @@ def test_measured_link_plans_alike_on_every_rank():
     assert a["chosen"] == b["chosen"] and len(a["chosen"]) == 6
 
 
+def _train_checked(rank, world, tolerance, trace=None):
+    import cgx.torch as hvd
+    hvd.init()
+    if trace:
+        hvd.start_timeline(trace)
+    model = _model()
+    comp = hvd.Compression.planned(calibrate_steps=2, replan_every=2, drift_tolerance=tolerance,
+                                   assume_gbit=0.001)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(10):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    if trace:
+        hvd.stop_timeline()
+    return {"checks": [(c.step, c.measured_s, c.expected_ratio, c.replanned)
+                       for c in opt.exchange_checks()],
+            "predicted": [c.predicted_s for c in opt.exchange_checks()],
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.multiproc
+def test_drift_beyond_the_tolerance_replans_on_every_rank_alike(tmp_path):
+    # Planned at step 2; checks at steps 4, 6, 8. No measurement equals the prediction
+    # to 1e-9, so step 4 re-plans; step 6 (the first check after a drift re-plan) takes
+    # the ratio it sees as the model's bias; step 8's ratio differs from it: re-plan.
+    a, b = run_gloo(_train_checked, 2, 1e-9, str(tmp_path / "trace.json"))
+    assert [c[0] for c in a["checks"]] == [4, 6, 8]
+    assert [c[3] for c in a["checks"]] == [True, False, True]
+    assert a["checks"][0][2] == 1.0 and a["checks"][2][2] != 1.0
+    assert all(c[1] > 0 for c in a["checks"])
+    assert a["checks"] == b["checks"]  # measured = the MAX over ranks: the same everywhere
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    # The plans (steps 2, 4, 8) and the checks are marked on the timeline.
+    events = json.loads((tmp_path / "trace.json").read_text())
+    marks = [e for e in events if e.get("ph") == "i" and e["name"] in ("plan", "drift check")]
+    assert [(e["name"], e["args"]["step"]) for e in marks] == [
+        ("plan", 2), ("drift check", 4), ("plan", 4), ("drift check", 6), ("drift check", 8),
+        ("plan", 8)]
+    assert marks[0]["args"]["choices"]["0.weight"] == "sra-4bit"
+    assert marks[0]["args"]["choices"]["0.bias"] == "exact"
+
+
+@pytest.mark.multiproc
+def test_no_drift_keeps_the_plan():
+    a, b = run_gloo(_train_checked, 2, 1e6)
+    assert [(c[0], c[3]) for c in a["checks"]] == [(4, False), (6, False), (8, False)]
+    assert len(set(a["predicted"])) == 1  # one plan throughout
+    assert a["checks"] == b["checks"]
+
+
 def test_settings_are_checked():
     from cgx.torch import Compression
     with pytest.raises(ValueError, match="calibrate_steps"):
@@ -88,12 +144,9 @@ def test_settings_are_checked():
         Compression.planned(assume_gbit=0)
     with pytest.raises(ValueError, match="1..8"):
         Compression.planned(bits=32)
+    with pytest.raises(ValueError, match="replan_every"):
+        Compression.planned(replan_every=-1)
+    with pytest.raises(ValueError, match="drift_tolerance"):
+        Compression.planned(drift_tolerance=0)
     with pytest.raises(ValueError, match="inside DistributedOptimizer"):
         Compression.planned().compress(torch.zeros(3))
-
-
-def test_tensorflow_says_planned_is_torch_only():
-    tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed")
-    import cgx.tensorflow as hvd_tf
-    with pytest.raises(ValueError, match="does not trace yet"):
-        hvd_tf.DistributedGradientTape(tf.GradientTape(), compression=hvd_tf.Compression.planned())
