@@ -158,10 +158,9 @@ def _apply(f: Functional, lanes: Lanes) -> float:
     return max(f[0], f[1] + lanes[0], f[2] + lanes[1], f[3] + lanes[2])
 
 
-def _worth_trying(opts: list[Option], model: CostModel) -> list[int]:
+def _worth_trying(opts: list[Option], alpha: dict) -> list[int]:
     """Indices of the options to try: exact, and any option no other beats on both
-    compute and (uncontended) network time."""
-    alpha = {kind: ab.alpha for kind, ab in model.links.items()}
+    compute and (uncontended) network time (``alpha``: seconds per call, per collective)."""
     cost = []
     for o in opts:
         net = o.linear_s
@@ -236,11 +235,10 @@ class _Sweeper:
     O(tensors x options + groups).
     """
 
-    def __init__(self, tensors, options, tries_of, groups, model, backward_s, tail_s):
+    def __init__(self, tensors, options, tries_of, groups, alpha, backward_s, tail_s):
         self.options, self.tries_of = options, tries_of
         self.choice = [0] * len(tensors)
         self.current = [opts[0] for opts in options]
-        alpha = {kind: ab.alpha for kind, ab in model.links.items()}
         self.state = [_Group(members, tensors, self.current, alpha) for members in groups]
         self.by_size = [sorted(members, key=lambda k: -tensors[k].numel) for members in groups]
         self.terminal = _terminal(backward_s, tail_s)
@@ -308,13 +306,14 @@ def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, 
     cache: dict[tuple, tuple[list[Option], list[int]]] = {}
     options, tries_of = [], []
     options_for = OptionMaker(model, bits, families)
+    alpha = {kind: ab.alpha for kind, ab in model.links.items()}
     for k, t in enumerate(tensors):
         key = (t.numel, t.shape, t.rows, exact_only is not None and exact_only[k])
         if key not in cache:
             opts = options_for(t)
             if key[3]:
                 opts = opts[:1]
-            cache[key] = (opts, _worth_trying(opts, model))
+            cache[key] = (opts, _worth_trying(opts, alpha))
         options.append(cache[key][0])
         tries_of.append(cache[key][1])
     order = sorted(range(len(tensors)), key=lambda i: tensors[i].ready_s)
@@ -323,7 +322,7 @@ def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, 
     best = None
     for mb in fusion_mb:
         groups = fusion_groups(tensors, order, mb * 1e6)
-        sweeper = _Sweeper(tensors, options, tries_of, groups, model, backward_s, tail_s)
+        sweeper = _Sweeper(tensors, options, tries_of, groups, alpha, backward_s, tail_s)
         sweeper.forward()
         step = sweeper.step_s()
         if best is None or step < best[0] * (1 - 1e-9):

@@ -107,7 +107,7 @@ class GradientExchange:
         self.label = label or f"grads{next(_labels)}"
         self._plans: dict = {}
         self._lock = threading.Lock()
-        # Buckets started and not yet collected: ticket -> (handle, work buffers).
+        # Buckets started and not yet collected: ticket -> (handle, work buffers kept alive).
         self._inflight: dict = {}
         self._tickets = itertools.count(1)
         self._step_of: dict = {}  # plan id -> the step its current exchange reduces
@@ -246,7 +246,6 @@ class GradientExchange:
             out[i] = r
         return out
 
-
     def _overlapped(self, plan: GradientPlan, sub: list, shapes: list, buckets: list,
                     step) -> list:
         """One start op per bucket (chained: the same order on every rank), one finish op."""
@@ -288,7 +287,7 @@ class GradientExchange:
             t0 = time.perf_counter()
             for ticket, bucket in zip(ids, buckets):
                 with self._lock:
-                    handle, work = self._inflight.pop(int(ticket.numpy()))
+                    handle, _ = self._inflight.pop(int(ticket.numpy()))
                 for i, o in zip(bucket, handle.wait(session.wait_timeout())):
                     out[i] = o
             # What the step waited for after its backward: the exposed communication.
