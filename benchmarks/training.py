@@ -53,6 +53,27 @@ def vgg11(num_classes: int = 10):
                          nn.Linear(4096, 4096), nn.ReLU(True), nn.Linear(4096, num_classes))
 
 
+def _timed(step, warmup: int, steps: int, counted=None) -> tuple[list[float], Any]:
+    """Run ``warmup + steps`` steps; per timed step the slowest rank's seconds. With
+    ``counted`` (cgx.torch or cgx.tensorflow), also the bytes sent per timed step."""
+    import torch
+    import torch.distributed as dist
+
+    times, before = [], None
+    for i in range(warmup + steps):
+        if i == warmup and counted is not None:
+            before = counted.stats().wire_bytes
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(dt.item())
+    wire = (counted.stats().wire_bytes - before) / steps if counted is not None else None
+    return times, wire
+
+
 def keras_vgg11(num_classes: int = 10):
     """VGG-11 in Keras 3 (channels last), the same layers as :func:`vgg11`."""
     import keras
@@ -95,18 +116,9 @@ def keras_rank(method: str, steps: int, warmup: int, batch: int) -> dict[str, An
             grads.ready_order_buckets = lambda nbytes, cap: [list(range(len(nbytes)))]
     model.compile(optimizer=opt, jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    times, before = [], None
-    for i in range(warmup + steps):
-        if i == warmup and method.startswith("keras-cgx"):
-            before = hvd.stats().wire_bytes
-        dist.barrier()
-        t0 = time.perf_counter()
-        model.train_on_batch(x, y)
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            times.append(dt.item())
-    wire = (hvd.stats().wire_bytes - before) / steps if before is not None else 0.0
+    counted = hvd if method.startswith("keras-cgx") else None
+    times, wire = _timed(lambda: model.train_on_batch(x, y), warmup, steps, counted)
+    wire = wire if wire is not None else 0.0
     return {"method": method, "times_s": times, "params": int(model.count_params()),
             "wire_bytes": wire}
 
@@ -126,7 +138,6 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
-    wire = None
     opt_model = model
     if method.startswith("ddp") or method == "cgx-ddp-hook":
         # PyTorch's PowerSGD hook issues its collectives in a different order on
@@ -159,22 +170,13 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
         opt = hvd.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(),
             sufficient_factors=model if method.endswith("-sfb") else None, **extra)
-    times = []
-    for i in range(warmup + steps):
-        if i == warmup and hvd is not None:
-            before = hvd.stats().wire_bytes
-        dist.barrier()
-        t0 = time.perf_counter()
+    def step():
         opt.zero_grad()
         torch.nn.functional.cross_entropy(opt_model(x), y).backward()
         opt.step()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            times.append(dt.item())
-    if hvd is not None:
-        wire = (hvd.stats().wire_bytes - before) / steps
-    elif method == "cgx-ddp-hook":
+
+    times, wire = _timed(step, warmup, steps, hvd)
+    if wire is None and method == "cgx-ddp-hook":
         wire = state.reducer().totals.wire_bytes / (warmup + steps)
     params = sum(p.numel() for p in model.parameters())
     if wire is None:  # ring allreduce of the gradients (DDP) or of their compressed form
