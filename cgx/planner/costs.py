@@ -98,30 +98,6 @@ class Option(NamedTuple):
         return sum(b for _, b in self.wire)
 
 
-def _option(m: CostModel, name: str, compress_s: float, wire, decompress_s: float) -> Option:
-    """An option with its linear network time and its calls filled in for ``m``."""
-    links = m.links
-    linear, calls = 0.0, []
-    for k, b in wire:
-        linear += links[k].beta * b
-        if b > 0:
-            calls.append((name, k))
-    return Option(name, compress_s, tuple(wire), decompress_s, linear, tuple(calls))
-
-
-def sufficient_factors(t: TensorProfile, m: CostModel) -> Optional[Option]:
-    """All-gather each rank's K x (M + N) factors and rebuild; only where Poseidon's rule holds."""
-    if t.shape is None or not t.rows:
-        return None
-    from cgx.sufficient_factors import worth_it
-    rows, (out_f, in_f) = t.rows, t.shape
-    if not worth_it(rows, m.world, out_f, in_f):
-        return None
-    P = m.world
-    return _option(m, "sfb", 0.0, ((Collective.ALLGATHER, (P - 1) * 4 * rows * (out_f + in_f)),),
-                  rows * P * out_f * in_f / m.matmul_flops)
-
-
 # The planner weighs time, not error: offered more levels it would always take the
 # fewest bits. The level is the user's (or compression="auto"'s) decision; the planner
 # decides whether and how each tensor is compressed at that level.
@@ -186,7 +162,13 @@ class OptionMaker:
                                   n4 * (P - 1) / self.decompress_bps, beta[AG] * c,
                                   ((ag_name, AG),) if c else ()))
         if self.sfb and t.shape is not None and t.rows:
-            sf = sufficient_factors(t, self.m)
-            if sf is not None:
-                out.append(sf)
+            # sfb: all-gather each rank's K x (M + N) factors and rebuild, only where
+            # Poseidon's rule holds
+            from cgx.sufficient_factors import worth_it
+            rows, (out_f, in_f) = t.rows, t.shape
+            if worth_it(rows, P, out_f, in_f):
+                c = (P - 1) * 4 * rows * (out_f + in_f)
+                out.append(Option("sfb", 0.0, ((AG, c),),
+                                  rows * P * out_f * in_f / self.m.matmul_flops, beta[AG] * c,
+                                  (("sfb", AG),) if c else ()))
         return out

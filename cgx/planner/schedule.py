@@ -52,6 +52,12 @@ class DriftCheck:
     replanned: bool
 
 
+def _mark(timeline, name: str, args: dict) -> None:
+    """A point on the timeline's ``planner`` row (nothing without an enabled timeline)."""
+    if timeline is not None and timeline.enabled:
+        timeline.instant(name, row="planner", args=args)
+
+
 class PlannedSchedule:
     """Ready times while calibrating, then the per-tensor choice, checked for drift.
 
@@ -108,21 +114,6 @@ class PlannedSchedule:
     def begin_step(self, step: int, transport, verbose: bool = False, timeline=None) -> None:
         """The first reduction of ``step`` on every rank: plan when due, check for drift.
         Plans and checks are also marked on ``timeline`` (``cgx.timeline``) when given."""
-        planned_before, checks_before = self.plan, len(self.checks)
-        self._begin_step(step, transport, verbose)
-        if timeline is None or not timeline.enabled:
-            return
-        for c in self.checks[checks_before:]:
-            timeline.instant("drift check", row="planner",
-                             args={"step": c.step, "predicted_ms": 1e3 * c.predicted_s,
-                                   "measured_ms": 1e3 * c.measured_s, "replanned": c.replanned})
-        if self.plan is not planned_before:
-            p = self.plan
-            timeline.instant("plan", row="planner", args={
-                "step": step, "predicted_ms": 1e3 * p.step_s,
-                "choices": {t.name: o.name for t, o in zip(p.tensors, p.chosen)}})
-
-    def _begin_step(self, step: int, transport, verbose: bool) -> None:
         if self._end is not None and self.planned_at is not None:
             # The previous step's exchange ended with its latest reduction. The first
             # step after a plan still carries the calibration; it is not measured.
@@ -131,13 +122,14 @@ class PlannedSchedule:
             if start is not None and s > self.planned_at and s < step:
                 self._measured.append(end - start)
         if self.due(step):
-            self.replan(transport, verbose, step=step)
+            self.replan(transport, verbose, step=step, timeline=timeline)
         elif (self.plan is not None and self.planned_at is not None
               and self.settings.replan_every
               and (step - self.planned_at) % self.settings.replan_every == 0):
-            self.check_drift(step, transport, verbose)
+            self.check_drift(step, transport, verbose, timeline)
 
-    def check_drift(self, step: int, transport, verbose: bool = False) -> DriftCheck:
+    def check_drift(self, step: int, transport, verbose: bool = False,
+                    timeline=None) -> DriftCheck:
         """Agree on the measured step; re-plan when it drifts from the prediction. A
         collective: every rank calls it at the same step."""
         from cgx.comm.base import ReduceOp
@@ -156,12 +148,14 @@ class PlannedSchedule:
         drift = measured > 0 and abs(ratio / self._ratio - 1.0) > self.settings.drift_tolerance
         check = DriftCheck(step, predicted, measured, self._ratio, drift)
         self.checks.append(check)
+        _mark(timeline, "drift check", {"step": step, "predicted_ms": 1e3 * predicted,
+                                   "measured_ms": 1e3 * measured, "replanned": drift})
         if drift:
             if verbose:
                 print(f"cgx: step {step}: measured step {1e3 * measured:.1f} ms against "
                       f"{1e3 * predicted * self._ratio:.1f} ms expected; re-planning",
                       file=sys.stderr, flush=True)
-            self.replan(transport, verbose, step=step)
+            self.replan(transport, verbose, step=step, timeline=timeline)
             self._calibrate_ratio = True
         return check
 
@@ -170,7 +164,8 @@ class PlannedSchedule:
             return list(self.eligible)
         return [s if c else None for s, c in zip(self.eligible, self.chosen)]
 
-    def replan(self, transport, verbose: bool = False, step: Optional[int] = None) -> Plan:
+    def replan(self, transport, verbose: bool = False, step: Optional[int] = None,
+               timeline=None) -> Plan:
         """Every rank at the same point: agree on the profile, measure, plan."""
         from cgx.comm.base import ReduceOp
         from cgx.planner.calibration import compressor_throughput, link_model
@@ -203,6 +198,9 @@ class PlannedSchedule:
         self.chosen = [e is not None and opt.name != "exact"
                        for e, opt in zip(self.eligible, result.chosen)]
         self.plan = result
+        _mark(timeline, "plan", {"step": step, "predicted_ms": 1e3 * result.step_s,
+                            "choices": {t.name: o.name
+                                        for t, o in zip(result.tensors, result.chosen)}})
         self.planned_at = step
         self._measured = []
         if verbose:
