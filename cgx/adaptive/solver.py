@@ -9,11 +9,17 @@ budget. When rounding up leaves no feasible plan, the budget is rounded to
 the nearest unit instead and the result checked against the real budget, and
 as a last resort the reference plan (the uniform default, which meets the
 budget by definition for ``alpha >= 1``) is returned.
+
+The dynamic program runs in C (``cgx_knapsack`` in cgx/csrc/knapsack.c) when
+the extension is built, else in numpy (the same choices up to ties between
+equal costs; both are checked against brute force).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import threading
 from typing import Optional, Sequence
 
 import numpy as np
@@ -42,7 +48,51 @@ def _pareto(c: np.ndarray, e: np.ndarray) -> np.ndarray:
     return np.asarray(keep, dtype=np.int64)
 
 
-def _dp(costs: list, units_err: list, capacity: int) -> Optional[list]:
+_native = None
+_native_lock = threading.Lock()
+
+
+def _native_knapsack():
+    """``cgx_knapsack`` from the C extension, or None when it is not built."""
+    global _native
+    with _native_lock:
+        if _native is None:
+            from cgx.compression import cpu
+            lib = cpu._load()
+            fn = getattr(lib, "cgx_knapsack", None) if lib is not None else None
+            if fn is not None:
+                p = ctypes.c_void_p
+                fn.argtypes = [ctypes.c_int64, p, p, p, ctypes.c_int64, p]
+                fn.restype = ctypes.c_int
+            _native = fn if fn is not None else False
+    return _native or None
+
+
+def _dp_native(fn, costs: list, units_err: list, capacity: int) -> Optional[list]:
+    sizes = [len(c) for c in costs]
+    offsets = np.zeros(len(costs) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    c = np.ascontiguousarray(np.concatenate(costs), dtype=np.float64)
+    u = np.ascontiguousarray(np.concatenate(units_err), dtype=np.int64)
+    choice = np.zeros(len(costs), dtype=np.int32)
+    status = fn(len(costs), offsets.ctypes.data, c.ctypes.data, u.ctypes.data, int(capacity),
+                choice.ctypes.data)
+    if status == -1:  # rows of (capacity + 1) float64 per layer: 24 MB for 300 layers
+        raise MemoryError(f"the solver could not allocate {len(costs) + 1} x {capacity + 1} "
+                          "float64 entries; pass fewer units")
+    if status < 0:
+        raise RuntimeError(f"cgx_knapsack failed to backtrack (status {status})")
+    return None if status else [int(j) for j in choice]
+
+
+def _dp(costs: list, units_err: list, capacity: int, native: bool = True) -> Optional[list]:
+    fn = _native_knapsack() if native else None
+    if fn is not None:
+        return _dp_native(fn, costs, units_err, capacity)
+    return _dp_numpy(costs, units_err, capacity)
+
+
+def _dp_numpy(costs: list, units_err: list, capacity: int) -> Optional[list]:
     """Cheapest choice per layer with total discretized error <= capacity (None: infeasible).
 
     dp_l[e] = the least cost of layers 0..l with discretized error exactly e: per
@@ -94,7 +144,8 @@ def _dp(costs: list, units_err: list, capacity: int) -> Optional[list]:
 
 
 def solve(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], budget: float,
-          *, units: int = DEFAULT_UNITS, reference: Optional[Sequence[int]] = None) -> Plan:
+          *, units: int = DEFAULT_UNITS, reference: Optional[Sequence[int]] = None,
+          native: bool = True) -> Plan:
     """Pick one candidate per layer: minimal total cost with total error <= ``budget``.
 
     Args:
@@ -102,6 +153,7 @@ def solve(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
         budget: the largest total error allowed.
         units: error discretization (>= 10,000 by default).
         reference: a plan known to be within budget (returned if nothing better is).
+        native: use the C dynamic program when it is built (False: numpy).
 
     Returns:
         The :class:`Plan`.
@@ -123,9 +175,11 @@ def solve(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
     best = None
     if budget > 0:
         unit = budget / units
-        choice = _dp(costs, [np.ceil(e / unit - 1e-9).astype(np.int64) for e in errors], units)
+        choice = _dp(costs, [np.ceil(e / unit - 1e-9).astype(np.int64) for e in errors], units,
+                     native)
         if choice is None:  # rounding up cost too much: round to nearest, then check
-            choice = _dp(costs, [np.rint(e / unit).astype(np.int64) for e in errors], units)
+            choice = _dp(costs, [np.rint(e / unit).astype(np.int64) for e in errors], units,
+                         native)
         if choice is not None and total(choice)[1] <= budget * (1 + 1e-12):
             best = choice
     else:  # only zero-error candidates fit

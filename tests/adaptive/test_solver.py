@@ -21,8 +21,20 @@ def _brute(costs, errors, budget):
     return best
 
 
+def _native_built():
+    from cgx.adaptive.solver import _native_knapsack
+    return _native_knapsack() is not None
+
+
+# Both dynamic programs: the C one (when built, as `make test` does) and numpy's.
+IMPLS = [pytest.param(True, id="c", marks=pytest.mark.skipif(
+    not _native_built(), reason="cgx._cquant is not built (make ext)")),
+    pytest.param(False, id="numpy")]
+
+
+@pytest.mark.parametrize("native", IMPLS)
 @pytest.mark.parametrize("seed", range(60))
-def test_same_optimum_as_brute_force_when_errors_are_whole_units(seed):
+def test_same_optimum_as_brute_force_when_errors_are_whole_units(seed, native):
     rng = np.random.default_rng(seed)
     layers, cands = rng.integers(1, 5), rng.integers(1, 5)
     costs = rng.integers(1, 50, (layers, cands)).astype(float).tolist()
@@ -31,22 +43,23 @@ def test_same_optimum_as_brute_force_when_errors_are_whole_units(seed):
     best = _brute(costs, errors, budget)
     if best is None:
         with pytest.raises(ValueError, match="no plan meets the error budget"):
-            solve(costs, errors, budget, units=max(1, int(budget)))
+            solve(costs, errors, budget, units=max(1, int(budget)), native=native)
         return
-    plan = solve(costs, errors, budget, units=max(1, int(budget)))
+    plan = solve(costs, errors, budget, units=max(1, int(budget)), native=native)
     assert plan.cost == pytest.approx(best[0])
     assert plan.error <= budget
 
 
+@pytest.mark.parametrize("native", IMPLS)
 @pytest.mark.parametrize("seed", range(40))
-def test_budget_always_held_and_near_optimal_with_real_errors(seed):
+def test_budget_always_held_and_near_optimal_with_real_errors(seed, native):
     rng = np.random.default_rng(100 + seed)
     layers, cands = rng.integers(2, 6), rng.integers(2, 5)
     errors = np.sort(rng.uniform(0, 1, (layers, cands)), axis=1)
     costs = np.sort(rng.uniform(1, 100, (layers, cands)), axis=1)[:, ::-1]
     ref = [cands // 2] * layers
     budget = float(sum(errors[l][j] for l, j in enumerate(ref)))
-    plan = solve(costs.tolist(), errors.tolist(), budget, reference=ref)
+    plan = solve(costs.tolist(), errors.tolist(), budget, reference=ref, native=native)
     assert plan.error <= budget * (1 + 1e-9)
     best = _brute(costs.tolist(), errors.tolist(), budget)
     assert plan.cost >= best[0] - 1e-9
@@ -54,6 +67,20 @@ def test_budget_always_held_and_near_optimal_with_real_errors(seed):
     tight = _brute(costs.tolist(), errors.tolist(), budget * (1 - layers / 10_000))
     assert tight is None or plan.cost <= tight[0] + 1e-9
     assert plan.cost <= sum(costs[l][j] for l, j in enumerate(ref)) + 1e-9
+
+
+@pytest.mark.skipif(not _native_built(), reason="cgx._cquant is not built (make ext)")
+@pytest.mark.parametrize("seed", range(5))
+def test_c_and_numpy_agree_on_large_instances(seed):
+    rng = np.random.default_rng(500 + seed)
+    errors = np.sort(rng.uniform(0, 1, (80, 12)), axis=1)
+    costs = np.sort(rng.uniform(1, 100, (80, 12)), axis=1)[:, ::-1]
+    ref = [3] * 80
+    budget = float(sum(errors[l][j] for l, j in enumerate(ref)))
+    a = solve(costs, errors, budget, reference=ref, native=True)
+    b = solve(costs, errors, budget, reference=ref, native=False)
+    assert a.cost == pytest.approx(b.cost, rel=1e-5)
+    assert a.error <= budget * (1 + 1e-9) and b.error <= budget * (1 + 1e-9)
 
 
 def test_solver_validation():
