@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 from typing import Optional, Sequence
@@ -42,6 +43,7 @@ from cgx import runtime
 from cgx import process_sets
 from cgx.comm.base import ReduceOp
 from cgx.adaptive import AdaptiveSchedule
+from cgx.adaptive.candidates import Family
 from cgx.compression.planned import PlannedCompression
 from cgx.compression import (AutoCompression, Compression, CompressorKind, ErrorFeedback,
                              ExactCompressor, QuantizeCompressor, as_compressor)
@@ -115,6 +117,25 @@ def _layer_errors(names, specs, work, threads: int):
         norm = float(w.detach().float().norm())
         errors[n] = quantization_error(w, s, threads) / norm if norm > 0 else 0.0
     return ReduceStats(layer_error=errors)
+
+
+@contextlib.contextmanager
+def _untouched(comp, names: Sequence[str]):
+    """Per-tensor state of ``names`` in ``comp`` (residuals, PowerSGD's warm starts and
+    counters) as it was before the block; residuals are held out during it, so a joined
+    rank's zeros go out as zeros."""
+    tables = [getattr(comp, t) for t in ("_residuals", "_q", "_steps", "_draws")
+              if hasattr(comp, t)]
+    saved = [{n: t[n] for n in names if n in t} for t in tables]
+    for n in names:
+        comp._residuals.pop(n, None)
+    try:
+        yield
+    finally:
+        for t, kept in zip(tables, saved):
+            for n in names:
+                t.pop(n, None)
+            t.update(kept)
 
 
 class GradientPlan:
@@ -196,6 +217,15 @@ class GradientPlan:
             self.names, self.shapes, [s is not None for s in self.specs], comp,
             cfg if cfg.quantization_enabled else cfg.replace(bits=4)) \
             if mode is GradMode.AUTO else None
+        # AUTO: layers planned to top-k or PowerSGD reduce through these (per-layer density
+        # and rank set from the plan; both keep their residuals, PowerSGD its warm starts).
+        self._auto_topk = self._auto_psgd = None
+        self._owed: dict[str, torch.Tensor] = {}  # AUTO: residuals to send once (family change)
+        if mode is GradMode.AUTO:
+            from cgx.compression.powersgd import PowerSGDCompressor
+            from cgx.compression.topk import TopKCompressor
+            self._auto_topk = ErrorFeedback(TopKCompressor())
+            self._auto_psgd = PowerSGDCompressor(min_compression_rate=0.0)
         # PLANNED: traced first, then each tensor exact or quantized (cgx.planner).
         self.planned = None
         if mode is GradMode.PLANNED:
@@ -246,25 +276,16 @@ class GradientPlan:
                           name=name, step=step)
             return [w if w.device == g.device else w.to(g.device) for w, g in zip(work, grads)]
         if self.mode is GradMode.AUTO:
-            specs = self._auto_specs(red, step, idx, work, shadow)
-        elif self.mode is GradMode.PLANNED:
+            self._reduce_auto(red, work, idx, step, shadow, name)
+            return [w if w.device == g.device else w.to(g.device) for w, g in zip(work, grads)]
+        if self.mode is GradMode.PLANNED:
             if step != self._last_step:  # the first reduction of a step, on every rank
                 self._last_step = step
                 self.planned.begin_step(step, red.transport, red.config.verbose, red.timeline)
             planned = self.planned.specs()
             specs = [planned[i] for i in idx]
-        if self.mode in (GradMode.EXACT, GradMode.QUANTIZE, GradMode.AUTO, GradMode.PLANNED):
-            # The reducer quantizes float32/16/bf16 only; float64 travels exact.
-            specs = [s if s is not None and w.dtype in FLOAT_DTYPES else None
-                     for s, w in zip(specs, work)]
-            if red.config.stats_every and step % red.config.stats_every == 0 and not shadow:
-                red.add_stats(_layer_errors(names, specs, work, red.config.cpu_threads))
-            residuals = None
-            if self.error_feedback and not shadow:
-                residuals = [self._residual(n, w) if s is not None else None
-                             for n, s, w in zip(names, specs, work)]
-            red.allreduce(work, specs, op=self.op, prescale_factor=pre, postscale_factor=post,
-                          name=name, residuals=residuals, step=step)
+        if self.mode in (GradMode.EXACT, GradMode.QUANTIZE, GradMode.PLANNED):
+            self._reduce_quantized(red, work, names, specs, step, shadow, name)
             if self.planned is not None and not shadow:
                 self.planned.note_reduced(step)
         elif self.mode is GradMode.SUMMABLE:
@@ -287,42 +308,125 @@ class GradientPlan:
             # allows (top-k: one allgather; PowerSGD: one allreduce of P, one of Q).
             packed = [k for k, s in enumerate(specs) if s is not None]
             if packed:
-                ws = [work[k].mul_(pre) if pre != 1.0 else work[k] for k in packed]
-                outs = self.compression.allreduce_many(ws, red.transport,
-                                                       [names[k] for k in packed], self.op)
-                for w, o in zip(ws, outs):
-                    w.copy_(o.view_as(w))
-                    if post != 1.0:
-                        w.mul_(post)
+                self._reduce_family(red, self.compression, [work[k] for k in packed],
+                                    [names[k] for k in packed])
         return [w if w.device == g.device else w.to(g.device) for w, g in zip(work, grads)]
 
-    def _auto_specs(self, red, step: int, idx: list, work: list, shadow: bool) -> list:
-        """AUTO mode, engine thread: re-plan when due (a collective, at the first reduction of
-        a step on every rank), hand residuals of layers turned exact to their gradients,
-        and record the window's statistics. Returns this call's specs."""
+    def _reduce_quantized(self, red, work: list, names: list, specs: list, step: int,
+                          shadow: bool, name: str) -> None:
+        """One fused reducer call: each tensor quantized by its spec, or exact (None)."""
+        # The reducer quantizes float32/16/bf16 only; float64 travels exact.
+        specs = [s if s is not None and w.dtype in FLOAT_DTYPES else None
+                 for s, w in zip(specs, work)]
+        if red.config.stats_every and step % red.config.stats_every == 0 and not shadow:
+            red.add_stats(_layer_errors(names, specs, work, red.config.cpu_threads))
+        residuals = None
+        if self.error_feedback and not shadow:
+            residuals = [self._residual(n, w) if s is not None else None
+                         for n, s, w in zip(names, specs, work)]
+        red.allreduce(work, specs, op=self.op, prescale_factor=1.0 / self.predivide,
+                      postscale_factor=self.predivide, name=name, residuals=residuals,
+                      step=step)
+
+    def _reduce_family(self, red, comp, ws: list, names: list) -> None:
+        """Top-k or PowerSGD tensors in as few collectives as the family allows, in place;
+        the bytes sent go into the reducer's statistics."""
+        pre, post = 1.0 / self.predivide, self.predivide
+        if pre != 1.0:
+            for w in ws:
+                w.mul_(pre)
+        outs = comp.allreduce_many(ws, red.transport, names, self.op)
+        for w, o in zip(ws, outs):
+            w.copy_(o.view_as(w))
+            if post != 1.0:
+                w.mul_(post)
+        world = red.transport.size
+        inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
+        if hasattr(inner, "payload_numel"):  # PowerSGD: the factors, two allreduces
+            sent = 2 * (world - 1) * sum(4 * inner.payload_numel(w.shape, n)
+                                         for w, n in zip(ws, names)) // max(1, world)
+        elif hasattr(inner, "payload_nbytes"):  # top-k: one allgather of 16-byte slots
+            sent = (world - 1) * sum(-(-inner.payload_nbytes(w.numel(), w.dtype, n) // 16) * 16
+                                     for w, n in zip(ws, names))
+        else:
+            return
+        from cgx.collectives.reducer import ReduceStats
+        red.add_stats(ReduceStats(calls=1, numel=sum(w.numel() for w in ws),
+                                  input_bytes=sum(w.numel() * w.element_size() for w in ws),
+                                  wire_bytes=sent))
+
+    def _reduce_auto(self, red, work: list, idx: list, step: int, shadow: bool,
+                     name: str) -> None:
+        """AUTO mode, engine thread: re-plan when due (a collective, at the first reduction
+        of a step on every rank), record the window's statistics, and reduce each family's
+        tensors of this call together: quantized and exact ones in one fused call, top-k
+        ones in one allgather, PowerSGD ones in two allreduces (that order on every rank).
+
+        Residuals stay with their family while a layer keeps it (a new quantization
+        level or top-k density or PowerSGD rank keeps them; PowerSGD also keeps its warm
+        start). When a layer changes family, what its old compressor still owed is added
+        once to its next gradient, which the new compressor then carries (and, with
+        error feedback, owes in its turn). Quantization's residual holds the owner's
+        share of the final requantization in output units, so at such a change that
+        share, one quantization error of one step, is sent 1/W-scaled."""
         sched = self.adaptive
         if step != self._last_step:
             self._last_step = step
             if sched.due(step):
+                old = list(sched.plan)
                 sched.replan(step, red.transport, red.config.cpu_threads, red.config.verbose)
-        specs = sched.specs(step)
-        specs = [specs[i] for i in idx]
-        if self.error_feedback and not shadow:
-            for k, i in enumerate(idx):
-                e = self._residuals.get(self.names[i]) if specs[k] is None else None
+                self._collect_residuals(old)
+        chosen = sched.choices(step)
+        chosen = [chosen[i] for i in idx]
+        names = [self.names[i] for i in idx]
+        Q, T, P = Family.QUANTIZE, Family.TOPK, Family.POWERSGD
+        fam = [None if c is None else c.family for c in chosen]
+        if not shadow:
+            if sched.observing(step):  # the gradients alone (see cgx.adaptive.stats)
+                sched.observe(step, idx, work)
+            for k, n in enumerate(names):
+                e = self._owed.pop(n, None)
                 if e is not None and e.numel() == work[k].numel():
-                    # Nothing is owed any more once a layer travels exact: send it now,
-                    # once (a later plan that compresses the layer starts a new residual).
-                    work[k].view(-1).add_(e.to(work[k].dtype))
-                    del self._residuals[self.names[i]]
-        if not shadow and sched.observing(step):
-            seen = work
-            if self.error_feedback:
-                seen = [w.detach().reshape(-1).float() + self._residuals[self.names[i]]
-                        if self.names[i] in self._residuals else w
-                        for w, i in zip(work, idx)]
-            sched.observe(step, idx, seen)
-        return specs
+                    work[k].view(-1).add_(e.to(work[k].device, work[k].dtype))
+        groups = {f: [k for k in range(len(work)) if fam[k] is f] for f in (T, P)}
+        plain = [k for k in range(len(work)) if fam[k] not in (T, P)]
+        if plain:
+            self._reduce_quantized(red, [work[k] for k in plain], [names[k] for k in plain],
+                                   [chosen[k].spec(sched.rounding) if fam[k] is Q else None
+                                    for k in plain], step, shadow, name)
+        for f, comp in ((T, self._auto_topk), (P, self._auto_psgd)):
+            ks = groups[f]
+            if not ks:
+                continue
+            inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
+            for k in ks:
+                if f is T:
+                    inner.densities[names[k]] = chosen[k].density
+                else:
+                    inner.ranks[names[k]] = chosen[k].rank
+            ws, ns = [work[k] for k in ks], [names[k] for k in ks]
+            if shadow:  # zeros for a joined rank: no residual sent, no state changed
+                with _untouched(inner if f is P else comp, ns):
+                    self._reduce_family(red, inner, ws, ns)
+            else:
+                self._reduce_family(red, comp, ws, ns)
+
+    def _collect_residuals(self, old_plan: list) -> None:
+        """After a re-plan: what the old compressor of each layer that changed family still
+        owed, to be added once to the layer's next gradient."""
+        for i, (before, now) in enumerate(zip(old_plan, self.adaptive.plan)):
+            fb = Family.EXACT if before is None else before.family
+            fn = Family.EXACT if now is None else now.family
+            if fb is fn:
+                continue
+            n = self.names[i]
+            holder = {Family.TOPK: self._auto_topk._residuals,
+                      Family.POWERSGD: self._auto_psgd._residuals}.get(fb, self._residuals)
+            e = holder.pop(n, None)
+            if e is not None:
+                flat = e.reshape(-1).to(torch.float32)
+                old = self._owed.get(n)
+                self._owed[n] = flat if old is None else old + flat
 
     def compression_plan(self) -> list[dict]:
         """Per gradient: layer, shape, family, level, bytes, error, share of the error budget
@@ -341,6 +445,7 @@ class GradientPlan:
         return rows
 
     def _residual(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """The plan's float32 residual of ``name`` (zeros when it has none yet)."""
         e = self._residuals.get(name)
         if e is None or e.numel() != w.numel() or e.device != w.device:
             e = torch.zeros(w.numel(), dtype=torch.float32, device=w.device)
@@ -361,6 +466,9 @@ class GradientPlan:
         if self.adaptive is not None:
             state["adaptive"] = self.adaptive.state_dict()
             state["last_step"] = self._last_step
+            state["owed"] = {k: v.detach().clone() for k, v in self._owed.items()}
+            state["auto_topk"] = self._auto_topk.state_dict()
+            state["auto_powersgd"] = self._auto_psgd.state_dict()
         if self.planned is not None:
             state["planned"] = self.planned.state_dict()
         return state
@@ -375,5 +483,9 @@ class GradientPlan:
         if self.adaptive is not None and "adaptive" in state:
             self.adaptive.load_state_dict(state["adaptive"])
             self._last_step = state.get("last_step")
+            self._owed = {k: v.detach().clone() for k, v in state.get("owed", {}).items()}
+            if "auto_topk" in state:
+                self._auto_topk.load_state_dict(state["auto_topk"])
+                self._auto_psgd.load_state_dict(state["auto_powersgd"])
         if self.planned is not None and "planned" in state:
             self.planned.load_state_dict(state["planned"])

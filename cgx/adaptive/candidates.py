@@ -1,4 +1,16 @@
-"""Candidate compression levels per layer, with their exact wire sizes."""
+"""Candidate compression levels per layer, with their exact wire sizes.
+
+Three families (and exact float32 for layers where nothing else fits):
+
+- quantization: bits x bucket size (the reducer's max-min quantizer, SRA);
+- top-k: densities (``TopKCompressor``: indices and values, one allgather);
+- PowerSGD: ranks of the low-rank factors (matrices only, where ``r (n + m) < n m``).
+
+A candidate's cost is what one rank sends per step (:meth:`Candidate.traffic`):
+the compressor's own payload size times its collective's traffic factor (an
+allreduce sends ``2 (W - 1) / W`` of its buffer, an allgather ``W - 1``
+times it), so families that reduce differently compare fairly.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +24,8 @@ from cgx.config import Rounding
 
 DEFAULT_BITS = (2, 3, 4, 5, 6, 8)
 DEFAULT_BUCKETS = (128, 512, 1024, 4096)
+DEFAULT_DENSITIES = (0.001, 0.004, 0.01, 0.04)
+DEFAULT_RANKS = (1, 2, 4, 8, 16)
 
 
 class Family(enum.Enum):
@@ -19,6 +33,8 @@ class Family(enum.Enum):
 
     EXACT = "exact"  # uncompressed float32
     QUANTIZE = "quantize"  # max-min bucket quantization (bits, bucket size)
+    TOPK = "topk"  # the largest magnitudes and their positions (density)
+    POWERSGD = "powersgd"  # low-rank factors P, Q (rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,29 +44,63 @@ class Candidate:
     Attributes:
         family: :class:`Family`.
         bits, bucket_size: the quantization level (QUANTIZE only).
+        density: the fraction kept (TOPK only).
+        rank: the factors' columns (POWERSGD only).
     """
 
     family: Family
     bits: int = 0
     bucket_size: int = 0
+    density: float = 0.0
+    rank: int = 0
 
     def spec(self, rounding: Rounding) -> "QuantSpec | None":
-        """The reducer's per-tensor spec (None: exact)."""
-        if self.family is Family.EXACT:
+        """The reducer's per-tensor spec (None: not quantized)."""
+        if self.family is not Family.QUANTIZE:
             return None
         return QuantSpec(self.bits, self.bucket_size, rounding)
 
-    def wire_bytes(self, numel: int) -> int:
-        """Bytes of this layer's compressed payload: the compressor's own formula."""
+    def wire_bytes(self, shape) -> int:
+        """Bytes of this layer's compressed payload (float32 gradients): the compressor's
+        own formula. ``shape`` may be a value count for the families that need no shape."""
+        numel = shape if isinstance(shape, int) else math.prod(shape)
         if self.family is Family.EXACT:
             return 4 * numel
-        return QuantSpec(self.bits, self.bucket_size).nbytes(numel)
+        if self.family is Family.QUANTIZE:
+            return QuantSpec(self.bits, self.bucket_size).nbytes(numel)
+        if self.family is Family.TOPK:
+            from cgx.compression.topk import TopKCompressor
+            return TopKCompressor(self.density).payload_nbytes(numel)
+        if isinstance(shape, int):
+            raise ValueError("a PowerSGD candidate's size needs the tensor's shape")
+        n = shape[0]
+        return 4 * self.rank * (n + numel // n)
+
+    def traffic(self, shape, world: int) -> float:
+        """Bytes one rank sends per step with ``world`` ranks (at least 2 assumed)."""
+        w = max(2, int(world))
+        factor = (w - 1) if self.family is Family.TOPK else 2 * (w - 1) / w
+        return factor * self.wire_bytes(shape)
 
     @property
     def label(self) -> str:
         if self.family is Family.EXACT:
             return "exact"
+        if self.family is Family.TOPK:
+            return f"top {100 * self.density:g}%"
+        if self.family is Family.POWERSGD:
+            return f"rank {self.rank}"
         return f"{self.bits}-bit/{self.bucket_size}"
+
+    def as_list(self) -> list:
+        """JSON-able: ``[family, bits, bucket_size, density, rank]``."""
+        return [self.family.value, self.bits, self.bucket_size, self.density, self.rank]
+
+    @classmethod
+    def from_list(cls, v: Sequence) -> "Candidate":
+        """The inverse of :meth:`as_list` (a 3-long quantization entry of older states too)."""
+        v = list(v) + [0.0, 0] * (len(v) == 3)
+        return cls(Family(v[0]), int(v[1]), int(v[2]), float(v[3]), int(v[4]))
 
 
 def parse_families(families) -> tuple[Family, ...]:
@@ -60,11 +110,13 @@ def parse_families(families) -> tuple[Family, ...]:
     out = []
     for f in families:
         try:
-            out.append(f if isinstance(f, Family) else Family(str(f).strip().lower()))
+            fam = f if isinstance(f, Family) else Family(str(f).strip().lower())
         except ValueError:
+            fam = None
+        if fam is None or fam is Family.EXACT:
             allowed = ", ".join(m.value for m in Family if m is not Family.EXACT)
-            raise ValueError(f"unknown compressor family {f!r}; expected one of: {allowed}") \
-                from None
+            raise ValueError(f"unknown compressor family {f!r}; expected one of: {allowed}")
+        out.append(fam)
     if not out:
         raise ValueError("families is empty; name at least one family, e.g. ('quantize',)")
     return tuple(dict.fromkeys(out))
@@ -72,13 +124,36 @@ def parse_families(families) -> tuple[Family, ...]:
 
 def candidates_for(shape: Sequence[int], families: Sequence[Family],
                    bits: Sequence[int] = DEFAULT_BITS,
-                   buckets: Sequence[int] = DEFAULT_BUCKETS) -> list[Candidate]:
-    """The candidate levels of a layer of ``shape`` (exact always included, first)."""
+                   buckets: Sequence[int] = DEFAULT_BUCKETS,
+                   densities: Sequence[float] = DEFAULT_DENSITIES,
+                   ranks: Sequence[int] = DEFAULT_RANKS) -> list[Candidate]:
+    """The candidate levels of a layer of ``shape`` (exact always included, first).
+
+    Levels that cannot pay off are left out: bucket sizes far beyond the layer,
+    top-k densities keeping everything, PowerSGD ranks whose factors are no
+    smaller than the matrix (and PowerSGD for tensors of fewer than 2 dimensions).
+    """
+    shape = tuple(int(d) for d in shape)
     numel = math.prod(shape)
     out = [Candidate(Family.EXACT)]
-    if Family.QUANTIZE in families and numel > 0:
+    if numel == 0:
+        return out
+    if Family.QUANTIZE in families:
         for b in bits:
             for bucket in buckets:
                 if bucket <= max(8, 2 * numel) or bucket == min(buckets):
                     out.append(Candidate(Family.QUANTIZE, int(b), int(bucket)))
+    if Family.TOPK in families:
+        ks = set()
+        for d in densities:
+            c = Candidate(Family.TOPK, density=float(d))
+            k = c.wire_bytes(numel)
+            if k < 4 * numel and k not in ks:
+                ks.add(k)
+                out.append(c)
+    if Family.POWERSGD in families and len(shape) >= 2:
+        n, m = shape[0], numel // shape[0]
+        for r in ranks:
+            if int(r) <= min(n, m) and int(r) * (n + m) < n * m:
+                out.append(Candidate(Family.POWERSGD, rank=int(r)))
     return out

@@ -52,16 +52,25 @@ class AdaptiveSchedule:
         self.shapes = [tuple(s) for s in shapes]
         self.settings = settings
         self.rounding: Rounding = settings.rounding or config.rounding
-        self.default = Candidate(Family.QUANTIZE, config.bits if 1 <= config.bits <= 8 else 4,
-                                 config.bucket_size)
         fams = [Family(f) for f in settings.families]
-        self.candidates = [candidates_for(s, fams, settings.bits, settings.bucket_sizes)
+        self.default = default_candidate(fams, config, settings)
+        self.candidates = [candidates_for(s, fams, settings.bits, settings.bucket_sizes,
+                                          settings.densities, settings.ranks)
                            if ok else None for s, ok in zip(self.shapes, eligible)]
-        for cands in self.candidates:
-            if cands is not None and self.default not in cands:
-                cands.append(self.default)
-        self.plan: list[Optional[Candidate]] = [self.default if c is not None else None
-                                                for c in self.candidates]
+        # The reference of each layer: the uniform default where it applies (PowerSGD's
+        # default does not to a matrix too small for it), else exact.
+        self.reference: list[Optional[Candidate]] = []
+        for s, cands in zip(self.shapes, self.candidates):
+            ref = None
+            if cands is not None:
+                ref = self.default if self.default in candidates_for(
+                    s, [self.default.family], [self.default.bits],
+                    [self.default.bucket_size], [self.default.density],
+                    [self.default.rank]) else Candidate(Family.EXACT)
+                if ref not in cands:
+                    cands.append(ref)
+            self.reference.append(ref)
+        self.plan: list[Optional[Candidate]] = list(self.reference)
         self.next_plan = settings.warmup_steps + settings.window
         self.plans_made = 0
         self._acc: dict[str, torch.Tensor] = {}
@@ -70,11 +79,13 @@ class AdaptiveSchedule:
 
     # -- what travels now ------------------------------------------------------------
 
-    def specs(self, step: int) -> list:
-        """Per gradient: a QuantSpec, or None (exact) - warm-up included."""
+    def choices(self, step: int) -> list:
+        """Per gradient: the :class:`Candidate` that travels now (None: exact, not planned
+        or warming up)."""
         if step < self.settings.warmup_steps:
             return [None] * len(self.names)
-        return [c.spec(self.rounding) if c is not None else None for c in self.plan]
+        return [c if c is not None and c.family is not Family.EXACT else None
+                for c in self.plan]
 
     # -- statistics ----------------------------------------------------------------------
 
@@ -82,7 +93,7 @@ class AdaptiveSchedule:
         return self.next_plan - self.settings.window <= step < self.next_plan
 
     def observe(self, step: int, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
-        """Add this step's gradients (what the compressor sees) to the window's sums.
+        """Add this step's gradients (without residuals) to the window's sums.
 
         Hidden cost: one add per planned gradient during the ``window`` steps
         before a plan, and one float32 buffer per planned layer meanwhile.
@@ -111,8 +122,7 @@ class AdaptiveSchedule:
         """The plan alone, JSON-able (layer -> [family, bits, bucket]), with its schedule:
         what a Keras checkpoint stores (the statistics are not kept)."""
         return {"next_plan": self.next_plan, "plans_made": self.plans_made,
-                "plan": {n: [c.family.value, c.bits, c.bucket_size]
-                         for n, c in zip(self.names, self.plan) if c is not None}}
+                "plan": {n: c.as_list() for n, c in zip(self.names, self.plan) if c is not None}}
 
     def load_plan_summary(self, summary: dict) -> None:
         """Restore :meth:`plan_summary` (by layer name; unknown layers keep the default).
@@ -127,7 +137,7 @@ class AdaptiveSchedule:
             if c is None:
                 c = next((v for k, v in summary["plan"].items() if _same_layer(k, n)), None)
             if c is not None and self.candidates[i] is not None:
-                cand = Candidate(Family(c[0]), int(c[1]), int(c[2]))
+                cand = Candidate.from_list(c)
                 if cand in self.candidates[i]:
                     self.plan[i] = cand
 
@@ -137,11 +147,12 @@ class AdaptiveSchedule:
         planned = [i for i, c in enumerate(self.candidates) if c is not None]
         grads = [self._acc.get(self.names[i], torch.zeros(math.prod(self.shapes[i])))
                  for i in planned]
-        local = error_table(grads, [self.candidates[i] for i in planned], threads)
+        local = error_table(grads, [self.candidates[i] for i in planned], threads,
+                            [self.shapes[i] for i in planned])
         errors = combine(local, transport)
-        costs = [[c.wire_bytes(math.prod(self.shapes[i])) for c in self.candidates[i]]
+        costs = [[c.traffic(self.shapes[i], transport.size) for c in self.candidates[i]]
                  for i in planned]
-        ref = [self.candidates[i].index(self.default) for i in planned]
+        ref = [self.candidates[i].index(self.reference[i]) for i in planned]
         self.budget = self.settings.alpha * sum(e[j] for e, j in zip(errors, ref))
         solution = solve(costs, errors, self.budget, reference=ref)
         old = list(self.plan)
@@ -167,7 +178,7 @@ class AdaptiveSchedule:
             numel = math.prod(s)
             row = {"layer": n, "shape": s, "family": "exact" if c is None else c.family.value,
                    "level": "exact (not planned)" if c is None else c.label,
-                   "bytes": 4 * numel if c is None else c.wire_bytes(numel),
+                   "bytes": 4 * numel if c is None else c.wire_bytes(s),
                    "error": 0.0, "share": 0.0}
             if c is not None and self._errors is not None and i in self._errors:
                 errs, _ = self._errors[i]
@@ -181,8 +192,7 @@ class AdaptiveSchedule:
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "next_plan": self.next_plan,
                 "plans_made": self.plans_made, "budget": self.budget,
-                "plan": {n: (c.family.value, c.bits, c.bucket_size)
-                         for n, c in zip(self.names, self.plan) if c is not None},
+                "plan": {n: c.as_list() for n, c in zip(self.names, self.plan) if c is not None},
                 "errors": None if self._errors is None else
                 {self.names[i]: v for i, v in self._errors.items()},
                 "acc": {k: v.clone() for k, v in self._acc.items()}}
@@ -197,11 +207,26 @@ class AdaptiveSchedule:
         for i, n in enumerate(self.names):
             c = state["plan"].get(n)
             if c is not None and self.candidates[i] is not None:
-                self.plan[i] = Candidate(Family(c[0]), int(c[1]), int(c[2]))
+                self.plan[i] = Candidate.from_list(c)
         index = {n: i for i, n in enumerate(self.names)}
         self._errors = None if state["errors"] is None else \
             {index[n]: v for n, v in state["errors"].items() if n in index}
         self._acc = {k: v.clone() for k, v in state["acc"].items() if k in index}
+
+
+def default_candidate(families, config: Config, settings: AutoCompression) -> Candidate:
+    """The uniform default the error budget is measured against: the configured
+    quantization (``CGX_COMPRESSION_QUANTIZATION_BITS`` / ``..._BUCKET_SIZE``,
+    4 bits and 1024 by default) when quantization is a choice; else top-k at 1%
+    (or the middle density offered), or PowerSGD at rank 4 (or the middle rank)."""
+    def middle(values, preferred):
+        return preferred if preferred in values else sorted(values)[len(values) // 2]
+    if Family.QUANTIZE in families:
+        return Candidate(Family.QUANTIZE, config.bits if 1 <= config.bits <= 8 else 4,
+                         config.bucket_size)
+    if Family.TOPK in families:
+        return Candidate(Family.TOPK, density=middle(settings.densities, 0.01))
+    return Candidate(Family.POWERSGD, rank=middle(settings.ranks, 4))
 
 
 def _same_layer(a: str, b: str) -> bool:

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from cgx.compression.base import Compressor, CompressorKind
 from cgx.config import Rounding
 
-FAMILIES = ("quantize",)  # families cgx.adaptive chooses from today
+FAMILIES = ("quantize", "topk", "powersgd")  # families cgx.adaptive chooses from
 
 
 class AutoCompression(Compressor):
@@ -22,14 +22,20 @@ class AutoCompression(Compressor):
         alpha: the plan's total error may be at most ``alpha`` times the error of
             the uniform default (``CGX_COMPRESSION_QUANTIZATION_BITS`` /
             ``..._BUCKET_SIZE``); > 0. 1.0: as accurate as the default, fewer bytes.
-        families: compressor families a layer may pick from (``"quantize"``).
+        families: compressor families a layer may pick from: ``"quantize"``,
+            ``"topk"``, ``"powersgd"`` (default: all three, the mixed mode; one
+            family alone compares with L-GreCo's single-family modes).
         window: steps whose gradients are accumulated for the statistics (> 0).
         adjust_every: re-plan every this many steps (>= window).
         warmup_steps: exact exchange for the first steps (as PyTorch's
             ``start_powerSGD_iter`` and DeepSpeed's ``freeze_step``).
         bits, bucket_sizes: the quantization levels to choose from.
+        densities: the top-k levels (fractions kept).
+        ranks: the PowerSGD levels (columns of the factors).
         rounding: rounding of what is sent (default: ``CGX_COMPRESSION_ROUNDING``).
-        error_feedback: keep residuals (default: ``CGX_COMPRESSION_ERROR_FEEDBACK``).
+        error_feedback: keep residuals of quantized layers (default:
+            ``CGX_COMPRESSION_ERROR_FEEDBACK``); top-k and PowerSGD layers always
+            keep theirs (both are biased without it).
     """
 
     kind = CompressorKind.QUANTIZE
@@ -39,6 +45,8 @@ class AutoCompression(Compressor):
                  window: int = 10, adjust_every: int = 1000, warmup_steps: int = 0,
                  bits: Sequence[int] = (2, 3, 4, 5, 6, 8),
                  bucket_sizes: Sequence[int] = (128, 512, 1024, 4096),
+                 densities: Sequence[float] = (0.001, 0.004, 0.01, 0.04),
+                 ranks: Sequence[int] = (1, 2, 4, 8, 16),
                  rounding: "Optional[Rounding | str]" = None,
                  error_feedback: Optional[bool] = None):
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
@@ -66,6 +74,17 @@ class AutoCompression(Compressor):
                              for b in bucket_sizes)
         if not bucket_sizes:
             raise ValueError("bucket_sizes is empty; e.g. (512, 1024)")
+        from cgx.compression.topk import _check_density
+        densities = tuple(_check_density(d) for d in densities)
+        if "topk" in [str(f).lower() for f in fams] and not densities:
+            raise ValueError("densities is empty; e.g. (0.001, 0.01)")
+        for r in ranks:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                raise ValueError(f"ranks={tuple(ranks)!r} must be ints >= 1 (columns of the "
+                                 "PowerSGD factors)")
+        ranks = tuple(ranks)
+        if "powersgd" in [str(f).lower() for f in fams] and not ranks:
+            raise ValueError("ranks is empty; e.g. (1, 2, 4)")
         if rounding is not None and not isinstance(rounding, Rounding):
             try:
                 rounding = Rounding(str(rounding).lower())
@@ -79,6 +98,7 @@ class AutoCompression(Compressor):
         self.families = tuple(str(f).lower() for f in fams)
         self.window, self.adjust_every, self.warmup_steps = window, adjust_every, warmup_steps
         self.bits, self.bucket_sizes = bits, bucket_sizes
+        self.densities, self.ranks = densities, ranks
         self.rounding, self.error_feedback = rounding, error_feedback
 
     def compress(self, tensor, name=None):
@@ -93,6 +113,7 @@ class AutoCompression(Compressor):
         return (f"AutoCompression(alpha={self.alpha:g}, families={self.families}, "
                 f"window={self.window}, adjust_every={self.adjust_every}, "
                 f"warmup_steps={self.warmup_steps}, bits={self.bits}, "
-                f"bucket_sizes={self.bucket_sizes}, rounding="
+                f"bucket_sizes={self.bucket_sizes}, densities={self.densities}, "
+                f"ranks={self.ranks}, rounding="
                 f"{None if self.rounding is None else self.rounding.value}, "
                 f"error_feedback={self.error_feedback})")

@@ -152,6 +152,10 @@ class PowerSGDCompressor(Compressor):
         orthogonalization_epsilon: added to each column norm (torch's option).
         seed: seed of the random Q draws, the same on every rank.
 
+    Attributes:
+        ranks: per-tensor rank overrides, by name (``cgx.adaptive`` sets them); a
+            change keeps the warm start (Q truncated, or extended with fresh columns).
+
     Example::
 
         comp = PowerSGDCompressor(rank=2)
@@ -178,6 +182,8 @@ class PowerSGDCompressor(Compressor):
                 or not 0 <= seed < 2**64:
             raise ValueError(f"seed={seed!r} must be an int in [0, 2**64), the same on every rank")
         self.seed = int(seed)
+        # Per-tensor rank overrides by name (cgx.adaptive sets them; others use `rank`).
+        self.ranks: dict = {}
         # Per-tensor state, keyed by name (plain tensors and ints: state_dict() copies them).
         self._q: dict[Optional[str], torch.Tensor] = {}  # last step's Q (m, r), warm start
         self._residuals: dict[Optional[str], torch.Tensor] = {}  # M - P Q^T, shape (n, m)
@@ -186,20 +192,21 @@ class PowerSGDCompressor(Compressor):
 
     # -- sizes -------------------------------------------------------------------
 
-    def effective_rank(self, shape) -> int:
-        """``min(rank, n, m)`` if a tensor of this shape is compressed, else 0."""
+    def effective_rank(self, shape, name=None) -> int:
+        """``min(rank, n, m)`` if a tensor of this shape is compressed, else 0 (``rank``:
+        the tensor's entry in :attr:`ranks` when it has one)."""
         shape = tuple(shape)
         if len(shape) < 2 or math.prod(shape) == 0:
             return 0
         n = shape[0]
         m = math.prod(shape) // n
-        r = min(self.rank, n, m)
+        r = min(self.ranks.get(name, self.rank) if name is not None else self.rank, n, m)
         return r if r * (n + m) * self.min_compression_rate < n * m else 0
 
-    def payload_numel(self, shape) -> int:
+    def payload_numel(self, shape, name=None) -> int:
         """Values sent for a tensor of this shape: ``(n + m) * r``, or ``numel`` uncompressed."""
         shape = tuple(shape)
-        r = self.effective_rank(shape)
+        r = self.effective_rank(shape, name)
         if r == 0:
             return math.prod(shape)
         return (shape[0] + math.prod(shape) // shape[0]) * r
@@ -217,7 +224,7 @@ class PowerSGDCompressor(Compressor):
         self._steps[name] = step + 1
         if step < self.start_step:
             return 0
-        return self.effective_rank(tensor.shape)
+        return self.effective_rank(tensor.shape, name)
 
     def _input_matrix(self, tensor: torch.Tensor, name: Optional[str], n: int, m: int):
         M = tensor.reshape(n, m).to(compute_dtype(tensor.dtype), copy=True)

@@ -76,6 +76,10 @@ class TopKCompressor(Compressor):
     Args:
         density: fraction of values kept, ``0 < density <= 1``.
 
+    Attributes:
+        densities: per-tensor overrides, by name (``cgx.adaptive`` sets them; a
+            tensor not in it keeps ``density``).
+
     Example::
 
         comp = TopKCompressor(density=0.01)
@@ -88,16 +92,21 @@ class TopKCompressor(Compressor):
 
     def __init__(self, density: float = 0.01):
         self.density = _check_density(density)
+        self.densities: dict = {}
 
-    def num_selected(self, numel: int) -> int:
-        """k for a tensor of ``numel`` values."""
+    def density_of(self, name=None) -> float:
+        """The density of tensor ``name`` (its override, else ``density``)."""
+        return self.densities.get(name, self.density) if name is not None else self.density
+
+    def num_selected(self, numel: int, name=None) -> int:
+        """k for a tensor of ``numel`` values (named ``name``: its own density, if set)."""
         if numel == 0:
             return 0
-        return min(numel, max(1, math.ceil(round(self.density * numel, 9))))
+        return min(numel, max(1, math.ceil(round(self.density_of(name) * numel, 9))))
 
-    def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+    def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32, name=None) -> int:
         """Bytes of the payload of a tensor of ``numel`` values of ``dtype``."""
-        k = self.num_selected(numel)
+        k = self.num_selected(numel, name)
         return k * (index_dtype_for(numel, dtype).itemsize + dtype.itemsize)
 
     @staticmethod
@@ -118,12 +127,12 @@ class TopKCompressor(Compressor):
         check_name(name)
         flat = tensor.reshape(-1)
         numel = flat.numel()
-        k = self.num_selected(numel)
+        k = self.num_selected(numel, name)
         ctx = TopKContext(tensor.shape, tensor.dtype, numel, k,
                           index_dtype_for(numel, tensor.dtype))
         score = flat.abs().nan_to_num_(nan=_INF, posinf=_INF)  # non-finite values win
         indices = torch.topk(score, k, sorted=False).indices
-        payload = torch.empty(self.payload_nbytes(numel, tensor.dtype), dtype=torch.uint8,
+        payload = torch.empty(self.payload_nbytes(numel, tensor.dtype, name), dtype=torch.uint8,
                               device=tensor.device)
         idx_view, val_view = self.split(payload, ctx)
         idx_view.copy_(indices)

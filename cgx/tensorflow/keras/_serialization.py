@@ -41,7 +41,8 @@ def compression_to_config(comp: Any) -> Optional[dict]:
         return {"type": "auto", "alpha": comp.alpha, "families": list(comp.families),
                 "window": comp.window, "adjust_every": comp.adjust_every,
                 "warmup_steps": comp.warmup_steps, "bits": list(comp.bits),
-                "bucket_sizes": list(comp.bucket_sizes),
+                "bucket_sizes": list(comp.bucket_sizes), "densities": list(comp.densities),
+                "ranks": list(comp.ranks),
                 "rounding": None if comp.rounding is None else comp.rounding.value,
                 "error_feedback": comp.error_feedback}
     if isinstance(comp, QuantizeCompressor):

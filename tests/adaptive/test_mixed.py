@@ -1,0 +1,229 @@
+"""compression="auto" across families: top-k and PowerSGD beside quantization, per layer."""
+
+import io
+import math
+
+import pytest
+import torch
+
+from cgx.adaptive import Candidate, Family, candidates_for
+from cgx.adaptive.stats import lowrank_errors, topk_errors
+from cgx.compression import Compression
+from cgx.compression.powersgd import PowerSGDCompressor
+from cgx.compression.topk import TopKCompressor
+from spawn import run_gloo
+
+ALL = [Family.QUANTIZE, Family.TOPK, Family.POWERSGD]
+
+
+def test_candidate_sizes_are_the_compressors_own():
+    shape = (96, 40)
+    cands = candidates_for(shape, ALL)
+    fams = {c.family for c in cands}
+    assert fams == {Family.EXACT, *ALL}
+    for c in cands:
+        if c.family is Family.TOPK:
+            assert c.wire_bytes(shape) == TopKCompressor(c.density).payload_nbytes(96 * 40)
+        if c.family is Family.POWERSGD:
+            psgd = PowerSGDCompressor(rank=c.rank, min_compression_rate=0.0)
+            assert c.wire_bytes(shape) == 4 * psgd.payload_numel(shape)
+            assert c.wire_bytes(shape) < 4 * 96 * 40
+    # Top-k travels by allgather: W - 1 copies; the allreduce families 2 (W - 1) / W.
+    t = next(c for c in cands if c.family is Family.TOPK)
+    q = next(c for c in cands if c.family is Family.QUANTIZE)
+    assert t.traffic(shape, 4) == 3 * t.wire_bytes(shape)
+    assert q.traffic(shape, 4) == 1.5 * q.wire_bytes(shape)
+    # No PowerSGD for vectors, nor ranks whose factors are no smaller than the matrix.
+    assert all(c.family is not Family.POWERSGD for c in candidates_for((500,), ALL))
+    assert {c.rank for c in candidates_for((8, 6), ALL) if c.family is Family.POWERSGD} == {1, 2}
+    for c in cands:
+        assert Candidate.from_list(c.as_list()) == c
+
+
+def test_topk_error_is_what_the_compressor_drops():
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    for density in (0.001, 0.01, 0.3):
+        comp = TopKCompressor(density)
+        sent = comp.decompress(*comp.compress(x))
+        k = comp.num_selected(x.numel())
+        assert topk_errors(x, [k])[0] == pytest.approx(float((x - sent).norm()), rel=1e-5)
+
+
+def test_lowrank_error_is_the_singular_value_tail():
+    g = torch.Generator().manual_seed(1)
+    u, v = torch.randn(120, 120, generator=g), torch.randn(70, 70, generator=g)
+    s = torch.tensor([2.0 ** -i for i in range(70)])  # a decaying spectrum, like gradients'
+    X = torch.linalg.qr(u).Q[:, :70] @ torch.diag(s) @ torch.linalg.qr(v).Q.T
+    exact = torch.linalg.svdvals(X.double())
+    for r, est in zip((1, 2, 4, 8), lowrank_errors(X, X.shape, [1, 2, 4, 8])):
+        tail = float(exact[r:].square().sum().sqrt())
+        assert tail * (1 - 1e-4) <= est <= tail * 1.05
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"families": ("quantize", "bogus")}, "unknown compressor family 'bogus'"),
+    ({"families": ("topk",), "densities": ()}, "densities is empty"),
+    ({"densities": (0.0,)}, "density=0.0 is out of range"),
+    ({"ranks": (0,)}, "must be ints >= 1"),
+    ({"families": ("powersgd",), "ranks": ()}, "ranks is empty"),
+])
+def test_bad_family_settings_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Compression.auto(**kwargs)
+
+
+# -- on real ranks -------------------------------------------------------------------
+
+
+class TwoBranch(torch.nn.Module):
+    """Branch ``sparse`` sees inputs with 2 active features of 512 (its gradient has two
+    non-zero columns: top-k's case); branch ``lowrank`` sees one direction scaled per
+    sample (its gradient is exactly rank 1: PowerSGD's case)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.sparse = torch.nn.Linear(512, 64)
+        self.lowrank = torch.nn.Linear(256, 64)
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, xs, xl):
+        return self.head(torch.relu(self.sparse(xs)) + torch.relu(self.lowrank(xl)))
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    xs = torch.zeros(16, 512)
+    xs[:, :2] = torch.randn(16, 2, generator=g)
+    direction = torch.randn(256, generator=torch.Generator().manual_seed(7))
+    xl = torch.randn(16, 1, generator=g) * direction
+    y = torch.randint(0, 10, (16,), generator=g)
+    return xs, xl, y
+
+
+def _train(opt, model, steps, start, rank):
+    for step in range(start, start + steps):
+        xs, xl, y = _batch(step, rank)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xs, xl), y).backward()
+        opt.step()
+
+
+def _mixed(rank, world, phase, blob):
+    import cgx.torch as hvd
+    hvd.init()
+    model = TwoBranch()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters(),
+        compression=hvd.Compression.auto(window=2, adjust_every=4, error_feedback=True))
+    if phase == "second":
+        ckpt = torch.load(io.BytesIO(blob[rank]), weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        _train(opt, model, 7, 7, rank)
+        return [p.detach() for p in model.parameters()]
+    history = []
+    for block in range(7 if phase == "first" else 14):
+        _train(opt, model, 1, block, rank)
+        history.append({r["layer"]: (r["family"], r["level"]) for r in opt.compression_plan()})
+    if phase == "first":  # mid-window (plans at steps 2 and 6): statistics are kept too
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        return buf.getvalue()
+    psgd = opt._plan._auto_psgd
+    return {"history": history, "params": [p.detach() for p in model.parameters()],
+            "draws": dict(psgd._draws), "plans": opt._plan.adaptive.plans_made,
+            "hvd_bytes": hvd.stats().wire_bytes}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mixed_plan_is_the_same_everywhere_and_picks_each_family_where_it_fits(world):
+    outs = run_gloo(_mixed, world, "full", None)
+    first = outs[0]
+    assert first["plans"] == 3  # at steps 2, 6 and 10
+    for o in outs[1:]:
+        assert o["history"] == first["history"]
+        for p, q in zip(o["params"], first["params"]):
+            assert torch.equal(p, q)
+    last = first["history"][-1]
+    assert last["sparse.weight"][0] == "topk", last
+    assert last["lowrank.weight"][0] == "powersgd", last
+    # Re-planning kept the warm start: one random Q draw for the PowerSGD layer, ever.
+    assert first["draws"].get("lowrank.weight") == 1
+    # The bytes of every family are counted (top-k and PowerSGD too).
+    assert first["hvd_bytes"] > 0
+
+
+def test_mixed_plan_checkpoint_resumes_bit_exactly_in_fresh_processes():
+    full = run_gloo(_mixed, 2, "full", None)
+    blobs = run_gloo(_mixed, 2, "first", None)
+    resumed = run_gloo(_mixed, 2, "second", blobs)
+    for r in range(2):
+        for p, q in zip(full[r]["params"], resumed[r]):
+            assert torch.equal(p, q)
+
+
+T = lambda d: Candidate(Family.TOPK, density=d)  # noqa: E731
+R = lambda r: Candidate(Family.POWERSGD, rank=r)  # noqa: E731
+E = Candidate(Family.EXACT)
+Q = Candidate(Family.QUANTIZE, 3, 128)
+
+
+def _walk(rank, world, walk):
+    """Layers walked through families by hand (``walk``: per layer, the candidate of each
+    step), the same data on every rank (so the mean is each rank's own). Returns the
+    summed inputs and outputs, who holds a residual after each step, PowerSGD's state."""
+    import cgx.torch as hvd
+    from cgx import session
+    from cgx.grad_plan import GradientPlan
+    hvd.init()
+    plan = GradientPlan(list(walk), [(64, 48)] * len(walk),
+                        hvd.Compression.auto(window=1, adjust_every=1, error_feedback=True,
+                                             rounding="nearest"))
+    sched = plan.adaptive
+
+    def replan(step, transport, threads=1, verbose=False):
+        sched.plan = [w[step] for w in walk.values()]
+        return True
+    sched.replan = replan
+    sched.due = lambda step: True
+    g = torch.Generator().manual_seed(5)
+    total_in = [torch.zeros(64, 48) for _ in walk]
+    total_out = [torch.zeros(64, 48) for _ in walk]
+    held = []
+    for step in range(len(next(iter(walk.values())))):
+        grads = [torch.randn(64, 48, generator=g) for _ in walk]
+        for t, x in zip(total_in, grads):
+            t += x
+        outs = session.run(plan.reduce, [x.clone() for x in grads], name="walk", step=step)
+        for t, o in zip(total_out, outs):
+            t += o
+        held.append(sorted(n for n in walk if n in plan._residuals or n in plan._owed or
+                           plan._auto_topk.residual(n) is not None or
+                           plan._auto_psgd.residual(n) is not None))
+    return {"loss": [float((a - b).norm()) for a, b in zip(total_in, total_out)],
+            "held": held, "draws": dict(plan._auto_psgd._draws),
+            "q_cols": {n: q.shape[1] for n, q in plan._auto_psgd._q.items()}}
+
+
+def test_residuals_and_warm_starts_follow_layers_across_families():
+    walk = {"a": [T(0.01), R(2), T(0.04), R(2), E],
+            "b": [R(1), T(0.01), R(4), T(0.004), E]}
+    for o in run_gloo(_walk, 2, walk):
+        assert max(o["loss"]) < 1e-4, o["loss"]  # nothing lost: all of it sent in the end
+        assert o["held"][:4] == [["a", "b"]] * 4  # owed while compressed...
+        assert o["held"][4] == []  # ...and all sent once exact
+        # b: rank 1, then rank 4 later: the warm start was extended (one more draw), not
+        # redrawn; a: rank 2 twice, one draw.
+        assert o["draws"] == {"a": 1, "b": 2} and o["q_cols"] == {"a": 2, "b": 4}
+
+
+def test_a_residual_handed_to_quantization_is_sent():
+    # Quantization alone loses a little at its last step (its final requantization's
+    # share, see GradientPlan._reduce_auto); top-k's large residual must not add to that.
+    walk = {"alone": [E, Q, E], "after_topk": [T(0.01), Q, E], "dropped": [T(0.01), E, E]}
+    for o in run_gloo(_walk, 2, walk):
+        alone, after, dropped = o["loss"]
+        assert dropped < 1e-4
+        assert after < 1.5 * alone + 1e-3, o["loss"]
