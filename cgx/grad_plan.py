@@ -44,6 +44,7 @@ from cgx import process_sets
 from cgx.comm.base import ReduceOp
 from cgx.adaptive import AdaptiveSchedule
 from cgx.adaptive.candidates import Family
+from cgx.adaptive.compensation import UpdateRule, error_feedback_for
 from cgx.compression.planned import PlannedCompression
 from cgx.compression import (AutoCompression, Compression, CompressorKind, ErrorFeedback,
                              ExactCompressor, QuantizeCompressor, as_compressor)
@@ -151,6 +152,8 @@ class GradientPlan:
         rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
         config: defaults (``cgx.runtime.config()`` when omitted).
         group: a process set from :func:`cgx.process_sets.resolve` (None: all ranks).
+        update_rule: the optimizer's :class:`cgx.adaptive.compensation.UpdateRule`;
+            ``compression="auto"`` keeps residuals of quantized layers by it.
 
     Attributes:
         mode: the :class:`GradMode` chosen.
@@ -162,7 +165,7 @@ class GradientPlan:
     def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]],
                  compression=Compression.none, *, op: ReduceOp = ReduceOp.AVERAGE,
                  predivide: float = 1.0, rules=None, config: Optional[Config] = None,
-                 group=None):
+                 group=None, update_rule: UpdateRule = UpdateRule.UNKNOWN):
         if len(names) != len(shapes):
             raise ValueError(f"got {len(names)} names for {len(shapes)} shapes; pass one "
                              "name per gradient")
@@ -179,8 +182,8 @@ class GradientPlan:
             mode = GradMode.EXACT
         elif isinstance(comp, AutoCompression):
             mode = GradMode.AUTO
-            error_feedback = cfg.error_feedback if comp.error_feedback is None \
-                else comp.error_feedback
+            error_feedback = error_feedback_for(comp.error_feedback, update_rule,
+                                                cfg.error_feedback)
         elif isinstance(comp, PlannedCompression):
             mode = GradMode.PLANNED
             base = cfg.replace(bits=comp.bits, bucket_size=comp.bucket_size)

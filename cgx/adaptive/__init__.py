@@ -12,15 +12,19 @@ a total error of at most ``alpha`` times that of the uniform default
 recomputed every ``adjust_every`` steps (:mod:`.schedule`); every rank derives
 the same plan from the same allreduced table.
 
-What this package offers today: the quantization family (bits 2..8 x bucket
-sizes 128..4096, and exact for layers where nothing else fits), in
-``DistributedOptimizer`` via ``compression=Compression.auto(...)``, ``"auto"``
-or ``CGX_COMPRESSION=auto``.
+Candidates (:mod:`.candidates`): quantization (bits 2..8 x bucket sizes
+128..4096), top-k densities, PowerSGD ranks, and exact for layers where nothing
+else fits; by default a layer may pick any family (the mixed mode), or one
+family alone (L-GreCo's single-family modes). Error feedback for quantized
+layers follows the optimizer's update rule (:mod:`.compensation`). Used by
+``DistributedOptimizer``, the DDP hook and Keras via
+``compression=Compression.auto(...)``, ``"auto"`` or ``CGX_COMPRESSION=auto``.
 """
 
 from cgx.adaptive.candidates import Candidate, Family, candidates_for
+from cgx.adaptive.compensation import UpdateRule, update_rule_of
 from cgx.adaptive.schedule import AdaptiveSchedule, AutoCompression, format_plan
 from cgx.adaptive.solver import Plan, solve
 
-__all__ = ["Candidate", "Family", "candidates_for", "AdaptiveSchedule", "AutoCompression",
+__all__ = ["Candidate", "Family", "candidates_for", "UpdateRule", "update_rule_of", "AdaptiveSchedule", "AutoCompression",
            "format_plan", "Plan", "solve"]

@@ -34,6 +34,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from cgx import session
+from cgx.adaptive.compensation import UpdateRule
 from cgx.compression import Compression
 from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf
 from cgx import runtime
@@ -89,12 +90,14 @@ class GradientExchange:
         sparse_as_dense: False: ``tf.IndexedSlices`` gradients travel as Horovod's sparse
             allreduce (values and indices all-gathered, uncompressed) and stay
             IndexedSlices; True: they are made dense and reduced with the others.
+        update_rule: the optimizer's :class:`cgx.adaptive.compensation.UpdateRule`
+            (``compression="auto"`` decides error feedback by it).
     """
 
     def __init__(self, compression=Compression.none, op=Average,
                  gradient_predivide_factor: float = 1.0, rules=None,
                  label: Optional[str] = None, process_set=global_process_set,
-                 sparse_as_dense: bool = False):
+                 sparse_as_dense: bool = False, update_rule: UpdateRule = UpdateRule.UNKNOWN):
         check_gradient_args(op, gradient_predivide_factor, "gradient reduction")
         self._user = tf_side_compressor(compression)
         self.compression = Compression.exact if self._user is not None else compression
@@ -104,6 +107,7 @@ class GradientExchange:
         self.group = resolve_process_set(process_set)
         self.process_set = process_set
         self.sparse_as_dense = bool(sparse_as_dense)
+        self.update_rule = update_rule
         self.label = label or f"grads{next(_labels)}"
         self._plans: dict = {}
         self._lock = threading.Lock()
@@ -122,7 +126,7 @@ class GradientExchange:
             if plan is None:
                 plan = GradientPlan(names, shapes, self.compression, op=self.op,
                                     predivide=self.predivide, rules=self.rules,
-                                    group=self.group)
+                                    group=self.group, update_rule=self.update_rule)
                 if plan.adaptive is not None:
                     from cgx.adaptive.schedule import matches
                     for summary in self.pending_plans:

@@ -41,6 +41,7 @@ from cgx.comm.base import ReduceOp
 from cgx.comm.consistency import Signature, describe, signature
 from cgx.compression import Compression, as_compressor
 from cgx.errors import CGXError, CollectiveMismatchError
+from cgx.adaptive.compensation import update_rule_of
 from cgx.grad_plan import GradientPlan, GradMode, ready_order_buckets  # noqa: F401 - GradMode: API
 from cgx import session
 from cgx.collectives.functional import Average, Sum, group_size, resolve_process_set
@@ -211,7 +212,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                   [tuple(p.shape) for p in params], self._compression,
                                   op=self._op, predivide=self._predivide,
                                   rules=self._rules_source, config=cfg,
-                                  group=getattr(self, "_group", None))
+                                  group=getattr(self, "_group", None),
+                                  update_rule=update_rule_of(self._optimizer))
         if old_plan is not None:
             self._plan.load_state_dict(old_plan.state_dict())
         # Sufficient factors: hooks on the model's Linear layers; their weights leave the

@@ -28,13 +28,14 @@ def _keras_auto(rank, world, tmp):
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                          hvd.callbacks.AdaptivePlanCallback()])
     made = [p.adaptive.plans_made for p in opt._exchange._plans.values()]
+    ef = [p.error_feedback for p in opt._exchange._plans.values()]
     before = [(r["layer"], r["level"]) for r in opt.compression_plan()]
     path = os.path.join(tmp, f"model{rank}.keras")
     model.save(path)
     loaded = hvd.load_model(path)
     loaded.fit(x[:16], y[:16], batch_size=16, epochs=1, shuffle=False, verbose=0)
     after = [(r["layer"], r["level"]) for r in loaded.optimizer.compression_plan()]
-    return {"made": made, "before": before, "after": after}
+    return {"made": made, "before": before, "after": after, "ef": ef}
 
 
 def test_keras_replans_at_epoch_ends_and_saves_the_plan(tmp_path):
@@ -43,9 +44,19 @@ def test_keras_replans_at_epoch_ends_and_saves_the_plan(tmp_path):
     assert outs[0]["made"] == outs[1]["made"] == [3]
     assert outs[0]["before"] == outs[1]["before"]
     assert any("bit" in level for _, level in outs[0]["before"])
+    assert outs[0]["ef"] == [True]  # keras.optimizers.SGD: residuals kept (see compensation)
     for o in outs:
         # The loaded model continues with the saved plan (Keras names the same variable
         # "sequential/dense/kernel" or "dense/kernel", depending on how it was built).
         assert [lvl for _, lvl in o["after"]] == [lvl for _, lvl in o["before"]]
         assert all(a.endswith(b) or b.endswith(a)
                    for (a, _), (b, _) in zip(o["after"], o["before"])), o
+
+
+def test_keras_optimizers_update_rules():
+    import keras
+    from cgx.adaptive.compensation import UpdateRule, update_rule_of
+    assert update_rule_of(keras.optimizers.SGD(0.1, momentum=0.9)) is UpdateRule.LINEAR
+    assert update_rule_of(keras.optimizers.AdamW()) is UpdateRule.ADAPTIVE
+    assert update_rule_of(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())) \
+        is UpdateRule.ADAPTIVE

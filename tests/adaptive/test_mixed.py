@@ -227,3 +227,32 @@ def test_a_residual_handed_to_quantization_is_sent():
         alone, after, dropped = o["loss"]
         assert dropped < 1e-4
         assert after < 1.5 * alone + 1e-3, o["loss"]
+
+
+def test_error_feedback_follows_the_optimizers_update_rule():
+    from cgx.adaptive.compensation import UpdateRule, update_rule_of
+    from cgx.config import Config
+    from cgx.grad_plan import GradientPlan
+    w = [torch.nn.Parameter(torch.zeros(3))]
+
+    class MySGD(torch.optim.SGD):
+        pass
+    assert update_rule_of(torch.optim.SGD(w, lr=0.1, momentum=0.9)) is UpdateRule.LINEAR
+    assert update_rule_of(MySGD(w, lr=0.1)) is UpdateRule.LINEAR
+    for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad):
+        assert update_rule_of(cls(w)) is UpdateRule.ADAPTIVE
+    assert update_rule_of(torch.optim.LBFGS(w)) is UpdateRule.UNKNOWN
+
+    def ef(comp, rule, configured=False):
+        return GradientPlan(["w"], [(64, 64)], comp, update_rule=rule,
+                            config=Config(error_feedback=configured)).error_feedback
+    auto = Compression.auto()
+    assert ef(auto, UpdateRule.LINEAR) is True
+    assert ef(auto, UpdateRule.ADAPTIVE, configured=True) is False
+    assert ef(auto, UpdateRule.UNKNOWN, configured=True) is True
+    assert ef(auto, UpdateRule.UNKNOWN) is False
+    # An explicit choice wins.
+    assert ef(Compression.auto(error_feedback=True), UpdateRule.ADAPTIVE) is True
+    assert ef(Compression.auto(error_feedback=False), UpdateRule.LINEAR) is False
+    # Fixed compressors keep their own setting, whatever the optimizer.
+    assert ef(Compression.quantize(bits=4), UpdateRule.LINEAR) is False

@@ -21,6 +21,7 @@ import keras
 import tensorflow as tf
 from keras.src.utils import tracking  # LossScaleOptimizer's tool: build() adds no attributes
 
+from cgx.adaptive.compensation import update_rule_of
 from cgx.comm.base import ReduceOp
 from cgx.compression import Compression
 from cgx.tensorflow.gradients import GradientExchange, check_gradient_args
@@ -126,7 +127,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._exchange = GradientExchange(compression, op, gradient_predivide_factor,
                                           _plain(rules), label=self.name,
                                           process_set=process_set,
-                                          sparse_as_dense=self._dense_sparse())
+                                          sparse_as_dense=self._dense_sparse(),
+                                          update_rule=update_rule_of(optimizer))
         # Set last: attribute reads fall through to the wrapped optimizer from here on.
         self.inner_optimizer = optimizer
 
@@ -254,7 +256,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._compression = compression
         self._exchange = GradientExchange(compression, self._op, self._predivide, self._rules,
                                           label=self.name, process_set=self._process_set,
-                                          sparse_as_dense=self._dense_sparse())
+                                          sparse_as_dense=self._dense_sparse(),
+                                          update_rule=update_rule_of(self.inner_optimizer))
 
     # -- serialization ----------------------------------------------------------------
 
