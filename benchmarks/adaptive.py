@@ -2,13 +2,18 @@
 
 1. The solver: 300 layers x 20 candidates (costs falling, errors rising with the
    level, as real layers do), median of repeated solves.
-2. Training: 2 ranks (Gloo on this machine) train an MLP on scikit-learn's
-   digits with fp32, uniform 4-bit (bucket 1024) and ``auto`` (alpha 1.0)
-   exchanges; bytes sent per step and test accuracy per method.
+2. Digits: 2 ranks (Gloo on this machine) train an MLP on scikit-learn's
+   digits with fp32, uniform 4-bit (bucket 1024), ``auto`` restricted to each
+   family (L-GreCo's single-family modes) and ``auto`` (alpha 1.0, mixed);
+   bytes sent per step, test accuracy and loss per method.
+3. LM: 2 ranks train the transformer LM of benchmarks/timetoacc (the Python
+   standard library's source) for ``--lm-steps`` steps under AdamW, and under SGD
+   with momentum, with fixed 4- and 2-bit levels with and without error feedback
+   and with ``auto``; validation loss and bytes per step.
 
 Usage::
 
-    .venv/bin/python benchmarks/adaptive.py [--epochs 8] [--out docs/results/adaptive]
+    .venv/bin/python benchmarks/adaptive.py [--epochs 8] [--lm-steps 400] [--out docs/results/adaptive]
 
 Writes ``<out>.json`` and ``<out>.md`` and prints the tables.
 """
@@ -26,7 +31,9 @@ import time
 
 import numpy as np
 
-METHODS = ("fp32", "uniform 4-bit", "auto (alpha 1.0)")
+METHODS = ("fp32", "uniform 4-bit", "auto: quantize only", "auto: top-k only",
+           "auto: PowerSGD only", "auto (alpha 1.0)")
+AUTO = "auto (alpha 1.0)"  # the mixed mode, auto's default
 
 
 def bench_solver(layers: int = 300, candidates: int = 20, reps: int = 7) -> dict:
@@ -65,7 +72,13 @@ def _rank(rank, world, port, method, epochs, out):
                                 torch.nn.Linear(256, 10))
     comp = {"fp32": hvd.Compression.exact,
             "uniform 4-bit": hvd.Compression.quantize(bits=4, bucket_size=1024),
-            "auto (alpha 1.0)": hvd.Compression.auto(alpha=1.0, window=10, adjust_every=40)
+            "auto: quantize only": hvd.Compression.auto(alpha=1.0, window=10, adjust_every=40,
+                                                        families=("quantize",)),
+            "auto: top-k only": hvd.Compression.auto(alpha=1.0, window=10, adjust_every=40,
+                                                     families=("topk",)),
+            "auto: PowerSGD only": hvd.Compression.auto(alpha=1.0, window=10, adjust_every=40,
+                                                        families=("powersgd",)),
+            AUTO: hvd.Compression.auto(alpha=1.0, window=10, adjust_every=40),
             }[method]
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                    named_parameters=model.named_parameters(), compression=comp)
@@ -82,55 +95,149 @@ def _rank(rank, world, port, method, epochs, out):
             steps += 1
     wire = (hvd.stats().wire_bytes - before) / steps
     with torch.no_grad():
-        acc = float((model(test_x).argmax(1) == test_y).float().mean())
+        logits = model(test_x)
+        acc = float((logits.argmax(1) == test_y).float().mean())
+        test_loss = float(torch.nn.functional.cross_entropy(logits, test_y))
     if rank == 0:
         from cgx.adaptive import format_plan
         with open(out, "w") as f:
-            json.dump({"bytes_per_step": wire, "accuracy": acc, "steps": steps,
+            json.dump({"bytes_per_step": wire, "accuracy": acc, "test_loss": test_loss,
+                       "steps": steps,
                        "plan": format_plan(opt.compression_plan())}, f)
     dist.destroy_process_group()
 
 
-def bench_training(epochs: int) -> dict:
+def _spawn(fn, *args) -> dict:
+    """Run ``fn(rank, 2, port, *args, out)`` on 2 ranks; rank 0's JSON result."""
     import torch.multiprocessing as mp
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for method in METHODS:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            out = os.path.join(tmp, "r.json")
-            mp.start_processes(_rank, args=(2, port, method, epochs, out), nprocs=2,
-                               start_method="spawn")
-            with open(out) as f:
-                results[method] = json.load(f)
-    return results
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = os.path.join(tmp, "r.json")
+        mp.start_processes(fn, args=(2, port, *args, out), nprocs=2, start_method="spawn")
+        with open(out) as f:
+            return json.load(f)
+
+
+def bench_training(epochs: int) -> dict:
+    return {method: _spawn(_rank, method, epochs) for method in METHODS}
+
+
+# -- the LM: what error feedback does under AdamW and SGD, and what auto does --------
+
+LM_METHODS = ("fp32", "4-bit", "4-bit + EF", "2-bit", "2-bit + EF", "2-bit nearest",
+              "2-bit nearest + EF", "auto (alpha 1.0)", "auto, EF forced on")
+LM_SGD_METHODS = ("fp32", "2-bit", "2-bit + EF", "auto (alpha 1.0)", "auto, EF forced off")
+
+
+def _lm_compression(hvd, method: str):
+    if method == "fp32":
+        return hvd.Compression.exact
+    if method.startswith("auto"):  # error feedback: by the optimizer, unless forced
+        ef = True if method.endswith("forced on") else False if method.endswith("off") else None
+        return hvd.Compression.auto(alpha=1.0, window=10, adjust_every=100, error_feedback=ef)
+    bits = int(method[0])
+    return hvd.Compression.quantize(bits=bits, bucket_size=1024,
+                                    rounding="nearest" if "nearest" in method else "stochastic",
+                                    error_feedback=method.endswith("+ EF"))
+
+
+def _lm_rank(rank, world, port, method, optimizer, steps, out):
+    import math
+    import torch
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import cgx.torch as hvd
+    from benchmarks.timetoacc.workloads import make
+    hvd.init()
+    w = make("lm", rank, world, 0)
+    model = w.model
+    base = w.optimizer(model.parameters()) if optimizer == "AdamW" else \
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                   compression=_lm_compression(hvd, method))
+    lr0 = [g["lr"] for g in opt.param_groups]
+    before = hvd.stats().wire_bytes
+    for step in range(1, steps + 1):
+        for g, lr in zip(opt.param_groups, lr0):  # cosine decay, as benchmarks/train.py
+            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
+        opt.zero_grad()
+        w.loss_fn(model, w.train_batch(step)).backward()
+        opt.step()
+    wire = (hvd.stats().wire_bytes - before) / steps
+    val = w.evaluate(model)["loss"]
+    if rank == 0:
+        from cgx.adaptive import format_plan
+        with open(out, "w") as f:
+            json.dump({"bytes_per_step": wire, "val_loss": val, "steps": steps,
+                       "error_feedback": bool(opt._plan.error_feedback),
+                       "plan": format_plan(opt.compression_plan())}, f)
+    dist.destroy_process_group()
+
+
+def bench_lm(steps: int) -> dict:
+    out = {}
+    for optimizer, methods in (("AdamW", LM_METHODS), ("SGD", LM_SGD_METHODS)):
+        for method in methods:
+            t0 = time.perf_counter()
+            out[f"{optimizer}: {method}"] = r = _spawn(_lm_rank, method, optimizer, steps)
+            print(f"  LM {optimizer:5s} {method:20s} val {r['val_loss']:.4f}  "
+                  f"{r['bytes_per_step'] / 1e3:7.1f} kB/step  ({time.perf_counter() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+    return out
+
+
+def lm_table(lm: dict) -> list:
+    lines = ["| optimizer | exchange | bytes sent/step/rank | vs 4-bit | validation loss | "
+             "vs fp32 | EF on quantized layers |", "|---|---|---:|---:|---:|---:|---|"]
+    for key, r in lm.items():
+        optimizer, method = key.split(": ", 1)
+        fp32 = lm[f"{optimizer}: fp32"]["val_loss"]
+        four = lm.get(f"{optimizer}: 4-bit", lm["AdamW: 4-bit"])["bytes_per_step"]
+        lines.append(f"| {optimizer} | {method} | {r['bytes_per_step'] / 1e3:.1f} kB | "
+                     f"{four / r['bytes_per_step']:.2f}x | {r['val_loss']:.4f} | "
+                     f"{100 * (r['val_loss'] / fp32 - 1):+.1f}% | "
+                     f"{'yes' if r['error_feedback'] else 'no'} |")
+    return lines
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--lm-steps", type=int, default=400,
+                   help="LM steps per method (0: skip the LM part)")
     p.add_argument("--out", default="docs/results/adaptive")
     args = p.parse_args(argv)
     solver = bench_solver()
     train = bench_training(args.epochs)
+    lm = bench_lm(args.lm_steps) if args.lm_steps else {}
     lines = ["Solver: %d layers x %d candidates: %.1f ms (median); cost %.2f x the uniform "
              "reference at %.3f of the error budget" % (
                  solver["layers"], solver["candidates"], solver["median_ms"],
                  solver["cost_vs_reference"], solver["error_vs_budget"]), "",
              "| exchange (2 ranks, digits MLP, %d epochs) | bytes sent/step/rank | vs 4-bit | "
-             "test accuracy |" % args.epochs, "|---|---:|---:|---:|"]
+             "test accuracy | test loss |" % args.epochs, "|---|---:|---:|---:|---:|"]
     base = train["uniform 4-bit"]["bytes_per_step"]
     for m in METHODS:
         r = train[m]
         lines.append(f"| {m} | {r['bytes_per_step'] / 1e3:.1f} kB | "
-                     f"{base / r['bytes_per_step']:.2f}x | {100 * r['accuracy']:.1f}% |")
-    lines += ["", "Last auto plan (rank 0):", "", train["auto (alpha 1.0)"]["plan"]]
+                     f"{base / r['bytes_per_step']:.2f}x | {100 * r['accuracy']:.1f}% | "
+                     f"{r['test_loss']:.4f} |")
+    lines += ["", "Last auto plan (rank 0):", "", train[AUTO]["plan"]]
+    if lm:
+        lines += ["", f"Transformer LM (benchmarks/timetoacc), 2 ranks, {args.lm_steps} steps, "
+                  "cosine learning rate; SGD: lr 0.1, momentum 0.9:", ""] + lm_table(lm)
+        lines += ["", "Last auto plan of the LM under AdamW (rank 0):", "",
+                  lm["AdamW: auto (alpha 1.0)"]["plan"]]
     text = "\n".join(lines)
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"solver": solver, "training": train}, f, indent=1)
+        json.dump({"solver": solver, "training": train, "lm": lm}, f, indent=1)
     with open(args.out + ".md", "w") as f:
         f.write(f"`{' '.join([os.path.basename(sys.executable), *sys.argv])}` "
                 "(2 cores, no GPU, 2 ranks on one machine)\n\n" + text + "\n")
