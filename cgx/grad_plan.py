@@ -48,7 +48,7 @@ from cgx.adaptive.compensation import UpdateRule, error_feedback_for
 from cgx.compression.planned import PlannedCompression
 from cgx.compression import (AutoCompression, Compression, CompressorKind, ErrorFeedback,
                              ExactCompressor, QuantizeCompressor, as_compressor)
-from cgx.compression.quantization import FLOAT_DTYPES
+from cgx.compression.quantization import FLOAT_DTYPES, QuantSpec
 from cgx.config import CompressionMode, Config
 from cgx.rules import LayerRules
 
@@ -235,6 +235,17 @@ class GradientPlan:
             from cgx.planner.schedule import PlannedSchedule
             self.planned = PlannedSchedule(self.names, self.shapes, self.specs, comp,
                                            base.inner_reduction, base.fusion_buffer_mb)
+        elif mode is GradMode.AUTO and comp.planner:
+            # AUTO with the planner: traced like the planned mode; consulted at each plan.
+            from cgx.planner.schedule import PlannedSchedule
+            d = self.adaptive.default
+            bits, bucket = (d.bits, d.bucket_size) if d.family is Family.QUANTIZE else (4, 1024)
+            self.planned = PlannedSchedule(
+                self.names, self.shapes, [QuantSpec(bits, bucket) if c is not None else None
+                                          for c in self.adaptive.candidates],
+                PlannedCompression(bits=bits, bucket_size=bucket, calibrate_steps=2,
+                                   assume_gbit=comp.assume_gbit, replan_every=0),
+                base.inner_reduction, base.fusion_buffer_mb)
         self._last_step: Optional[int] = None
         # Exact exchange for the first steps (Compression.quantize/topk(warmup_steps=...),
         # PowerSGD's start_step plays that role for it).
@@ -377,7 +388,13 @@ class GradientPlan:
             self._last_step = step
             if sched.due(step):
                 old = list(sched.plan)
-                sched.replan(step, red.transport, red.config.cpu_threads, red.config.verbose)
+                hidden = ()
+                if self.planned is not None:  # the planner first: exact where that is as fast
+                    self.planned.replan(red.transport, False, step=step, timeline=red.timeline)
+                    hidden = [i for i, c in enumerate(self.planned.chosen)
+                              if not c and self.adaptive.candidates[i] is not None]
+                sched.replan(step, red.transport, red.config.cpu_threads, red.config.verbose,
+                             hidden=hidden)
                 self._collect_residuals(old)
         chosen = sched.choices(step)
         chosen = [chosen[i] for i in idx]

@@ -66,7 +66,7 @@ def worth_it(rows: int, ranks: int, out_features: int, in_features: int) -> bool
 
 
 def exchange(captures: list, weights: list, transport, passes: int, average: bool,
-             plain, record=None) -> list:
+             plain, record=None, choose=None) -> list:
     """Engine thread, every rank at the same point: rebuild or reduce each layer's weight grad.
 
     Args:
@@ -77,6 +77,9 @@ def exchange(captures: list, weights: list, transport, passes: int, average: boo
         average: divide by the number of ranks.
         plain: ``plain(weights)`` reduces those weights' gradients the ordinary way (fallback).
         record: ``record(ReduceStats)`` adds the bytes this rank sent to cgx's statistics.
+        choose: ``choose(name, rows, ranks, out_features, in_features)`` -> send this layer
+            as factors? (default: Poseidon's rule, :func:`worth_it`); it must decide the same
+            on every rank (the planned exchange's plan does).
 
     Returns:
         Per layer, True when its gradient travelled as factors.
@@ -91,7 +94,8 @@ def exchange(captures: list, weights: list, transport, passes: int, average: boo
     used, fallback = [], []
     for (rows, unfaithful), cap, w in zip(agreed, captures, weights):
         m, n = w.shape
-        if not unfaithful and rows > 0 and worth_it(rows, P, m, n):
+        if not unfaithful and rows > 0 and (choose(cap.name, rows, P, m, n) if choose
+                                            else worth_it(rows, P, m, n)):
             x = torch.cat(cap.inputs) if cap.inputs else torch.zeros(0, n)
             g = torch.cat(cap.grads) if cap.grads else torch.zeros(0, m)
             xs = allgather_rows(x.contiguous(), f"sfb.{cap.name}.inputs")

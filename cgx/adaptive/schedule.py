@@ -73,6 +73,7 @@ class AdaptiveSchedule:
         self.plan: list[Optional[Candidate]] = list(self.reference)
         self.next_plan = settings.warmup_steps + settings.window
         self.plans_made = 0
+        self.hidden: set = set()  # layers the planner keeps exact (compressing saves no time)
         self._acc: dict[str, torch.Tensor] = {}
         self._errors: Optional[list] = None  # combined table of the last plan
         self.budget = 0.0
@@ -141,9 +142,16 @@ class AdaptiveSchedule:
                 if cand in self.candidates[i]:
                     self.plan[i] = cand
 
-    def replan(self, step: int, transport, threads: int = 1, verbose: bool = False) -> bool:
+    def replan(self, step: int, transport, threads: int = 1, verbose: bool = False,
+               hidden: Sequence[int] = ()) -> bool:
         """Make the next plan from the window's sums (a collective: call it on every rank at
-        the same point). Returns True when the plan changed."""
+        the same point). Returns True when the plan changed.
+
+        ``hidden``: gradients for which the planner found that compressing saves no time
+        (their exchange hides under backward, or is cheaper than compressing): they stay
+        exact (no error), and the budget, still that of the uniform default on every
+        layer, goes to the others."""
+        self.hidden = {self.names[i] for i in hidden}
         planned = [i for i, c in enumerate(self.candidates) if c is not None]
         grads = [self._acc.get(self.names[i], torch.zeros(math.prod(self.shapes[i])))
                  for i in planned]
@@ -154,6 +162,13 @@ class AdaptiveSchedule:
                  for i in planned]
         ref = [self.candidates[i].index(self.reference[i]) for i in planned]
         self.budget = self.settings.alpha * sum(e[j] for e, j in zip(errors, ref))
+        exact = Candidate(Family.EXACT)
+        for k, i in enumerate(planned):
+            if self.names[i] in self.hidden:  # only exact is offered, and it costs nothing
+                j = self.candidates[i].index(exact)
+                costs[k] = [0.0 if jj == j else math.inf for jj in range(len(costs[k]))]
+        if self.hidden:
+            ref = None  # the uniform default no longer fits the hidden layers' choices
         solution = solve(costs, errors, self.budget, reference=ref)
         old = list(self.plan)
         for i, j in zip(planned, solution.choice):
@@ -177,7 +192,8 @@ class AdaptiveSchedule:
             c = self.plan[i]
             numel = math.prod(s)
             row = {"layer": n, "shape": s, "family": "exact" if c is None else c.family.value,
-                   "level": "exact (not planned)" if c is None else c.label,
+                   "level": "exact (not planned)" if c is None else
+                   "exact (planner: no time saved)" if n in self.hidden else c.label,
                    "bytes": 4 * numel if c is None else c.wire_bytes(s),
                    "error": 0.0, "share": 0.0}
             if c is not None and self._errors is not None and i in self._errors:
@@ -192,6 +208,7 @@ class AdaptiveSchedule:
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "next_plan": self.next_plan,
                 "plans_made": self.plans_made, "budget": self.budget,
+                "hidden": sorted(self.hidden),
                 "plan": {n: c.as_list() for n, c in zip(self.names, self.plan) if c is not None},
                 "errors": None if self._errors is None else
                 {self.names[i]: v for i, v in self._errors.items()},
@@ -204,6 +221,7 @@ class AdaptiveSchedule:
         self.next_plan = int(state["next_plan"])
         self.plans_made = int(state["plans_made"])
         self.budget = float(state["budget"])
+        self.hidden = set(state.get("hidden", ()))
         for i, n in enumerate(self.names):
             c = state["plan"].get(n)
             if c is not None and self.candidates[i] is not None:

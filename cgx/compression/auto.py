@@ -33,6 +33,11 @@ class AutoCompression(Compressor):
         densities: the top-k levels (fractions kept).
         ranks: the PowerSGD levels (columns of the factors).
         rounding: rounding of what is sent (default: ``CGX_COMPRESSION_ROUNDING``).
+        planner: before each plan, let the planner (:mod:`cgx.planner`) mark the layers
+            for which compressing saves no time (their exchange hides under backward, or
+            is cheaper than compressing; from the traced ready times and the measured
+            link): they stay exact, and their share of the error budget goes to the others.
+        assume_gbit: with ``planner``: plan for a link of this rate instead of measuring it.
         error_feedback: keep residuals of quantized layers (default:
             ``CGX_COMPRESSION_ERROR_FEEDBACK``); top-k and PowerSGD layers always
             keep theirs (both are biased without it).
@@ -48,7 +53,8 @@ class AutoCompression(Compressor):
                  densities: Sequence[float] = (0.001, 0.004, 0.01, 0.04),
                  ranks: Sequence[int] = (1, 2, 4, 8, 16),
                  rounding: "Optional[Rounding | str]" = None,
-                 error_feedback: Optional[bool] = None):
+                 error_feedback: Optional[bool] = None, planner: bool = False,
+                 assume_gbit: Optional[float] = None):
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
             raise ValueError(f"alpha={alpha!r} must be a number > 0: the plan's error may be "
                              "alpha times the uniform default's (1.0: as accurate)")
@@ -91,6 +97,13 @@ class AutoCompression(Compressor):
             except ValueError:
                 raise ValueError(f"rounding={rounding!r}; expected 'nearest' or "
                                  "'stochastic'") from None
+        if not isinstance(planner, bool):
+            raise TypeError(f"planner must be True or False, got {planner!r}")
+        if assume_gbit is not None and not (isinstance(assume_gbit, (int, float))
+                                            and not isinstance(assume_gbit, bool)
+                                            and assume_gbit > 0):
+            raise ValueError(f"assume_gbit={assume_gbit!r} must be a rate > 0 in Gbit/s, "
+                             "or None to measure the link")
         if error_feedback is not None and not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True, False or None, got "
                             f"{error_feedback!r}")
@@ -100,6 +113,8 @@ class AutoCompression(Compressor):
         self.bits, self.bucket_sizes = bits, bucket_sizes
         self.densities, self.ranks = densities, ranks
         self.rounding, self.error_feedback = rounding, error_feedback
+        self.planner = planner
+        self.assume_gbit = None if assume_gbit is None else float(assume_gbit)
 
     def compress(self, tensor, name=None):
         raise ValueError("Compression.auto chooses per-layer levels for the gradient exchange of "
@@ -116,4 +131,5 @@ class AutoCompression(Compressor):
                 f"bucket_sizes={self.bucket_sizes}, densities={self.densities}, "
                 f"ranks={self.ranks}, rounding="
                 f"{None if self.rounding is None else self.rounding.value}, "
-                f"error_feedback={self.error_feedback})")
+                f"error_feedback={self.error_feedback}, planner={self.planner}, "
+                f"assume_gbit={self.assume_gbit})")

@@ -63,6 +63,19 @@ class CostModel:
     def comm(self, kind: Collective, nbytes: float) -> float:
         return self.links[kind].time(nbytes)
 
+    def to_dict(self) -> dict:
+        """Plain values (checkpoints): the inverse of :meth:`from_dict`."""
+        return {"world": self.world, "links": {k.value: [ab.alpha, ab.beta]
+                                               for k, ab in self.links.items()},
+                "compress_bps": self.compress_bps, "decompress_bps": self.decompress_bps,
+                "cast_bps": self.cast_bps, "matmul_flops": self.matmul_flops}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(int(d["world"]), {Collective(k): AlphaBeta(*v) for k, v in d["links"].items()},
+                   float(d["compress_bps"]), float(d["decompress_bps"]), float(d["cast_bps"]),
+                   float(d["matmul_flops"]))
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorProfile:

@@ -79,6 +79,7 @@ class PlannedSchedule:
         self.family = _FAMILY.get(algorithm, "sra")
         self.fusion_mb = float(fusion_mb)
         self.chosen: Optional[list[bool]] = None  # per tensor: compressed?
+        self.cost: Optional[CostModel] = None  # the model of the last plan
         self.plan: Optional[Plan] = None
         self.planned_at: Optional[int] = None  # the step of the last plan
         self.checks: list[DriftCheck] = []  # every drift check, in order
@@ -159,6 +160,32 @@ class PlannedSchedule:
             self._calibrate_ratio = True
         return check
 
+    def prefer_factors(self, name: str, rows: int, ranks: int, out_features: int,
+                       in_features: int) -> bool:
+        """Send a linear layer's weight gradient as sufficient factors (``sufficient_factors=``)?
+
+        Before the first plan: Poseidon's byte rule. After it: when the factors' allgather
+        and rebuild take less time, in the plan's cost model, than the layer's other
+        options at this plan's level (exact, and quantized where the rules allow) - so a
+        4-bit exchange that beats the factors wins, which the byte rule (against float32)
+        cannot see. The layer travels after backward either way, so the options are
+        compared standing alone. The same on every rank: the model is agreed.
+        """
+        from cgx.planner.costs import OptionMaker
+        from cgx.sufficient_factors import worth_it
+        if self.cost is None:
+            return worth_it(rows, ranks, out_features, in_features)
+        i = self.names.index(name) if name in self.names else None
+        fams = ["exact", "sfb"]
+        if i is None or self.eligible[i] is not None:
+            fams.append(self.family)
+        opts = OptionMaker(self.cost, (self.settings.bits,), fams)(
+            TensorProfile(name, out_features * in_features, 0.0, (out_features, in_features),
+                          rows))
+        times = {o.name: o.compress_s + o.decompress_s
+                 + sum(self.cost.comm(kind, b) for kind, b in o.wire) for o in opts}
+        return "sfb" in times and times["sfb"] < min(t for k, t in times.items() if k != "sfb")
+
     def specs(self) -> list:
         if self.chosen is None:
             return list(self.eligible)
@@ -189,6 +216,7 @@ class PlannedSchedule:
         else:
             cost = CostModel(transport.size, link_model(transport), compress_bps=1 / inv[0],
                              decompress_bps=1 / inv[1], cast_bps=1 / inv[2])
+        self.cost = cost
         tensors = [TensorProfile(name, math.prod(shape), t)
                    for name, shape, t in zip(self.names, self.shapes, ready)]
         backward = max(ready) if ready else 0.0
@@ -210,7 +238,8 @@ class PlannedSchedule:
 
     # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "names": list(self.names), "chosen": self.chosen}
+        return {"format": STATE_FORMAT, "names": list(self.names), "chosen": self.chosen,
+                "cost": None if self.cost is None else self.cost.to_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") != STATE_FORMAT:
@@ -222,3 +251,5 @@ class PlannedSchedule:
                              f"than this optimizer's ({len(self.names)}); restore it into the "
                              "same model")
         self.chosen = None if state["chosen"] is None else list(state["chosen"])
+        cost = state.get("cost")
+        self.cost = None if cost is None else CostModel.from_dict(cost)

@@ -461,8 +461,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     g.copy_(o.view_as(g))
 
         red = reducer_of(self._group)
+        planned = self._plan.planned  # the planned exchange weighs factors against the rest
+        choose = planned.prefer_factors if planned is not None else None
         used = exchange(caps, weights, red.transport, self._bpps, self._op is Average, plain,
-                        record=red.add_stats)
+                        record=red.add_stats, choose=choose)
         self.sfb_used = {c.name: u for c, u in zip(caps, used)}
 
     # -- the public optimizer API -------------------------------------------------------

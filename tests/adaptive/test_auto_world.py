@@ -156,3 +156,32 @@ def test_ddp_hook_auto_plans_alike_and_checkpoints():
     levels = {lvl for _, lvl in outs[0]["history"][-1] if "not planned" not in lvl}
     assert levels and levels != {"4-bit/1024"}
     assert outs[0]["restored"] == outs[0]["history"][-1]
+
+
+def _auto_planner(rank, world, gbit):
+    import cgx.torch as hvd
+    hvd.init()
+    model = _model()
+    comp = hvd.Compression.auto(window=2, adjust_every=4) if gbit is None else \
+        hvd.Compression.auto(window=2, adjust_every=4, planner=True, assume_gbit=gbit)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(), compression=comp)
+    _train(hvd, model, opt, 3)
+    return {"levels": [r["level"] for r in opt.compression_plan()],
+            "params": [p.detach() for p in model.parameters()]}
+
+
+def test_auto_with_the_planner_keeps_exact_what_compressing_would_not_speed_up():
+    plain = run_gloo(_auto_planner, 2, None)[0]
+    # A link of 1 Mbit/s: compressing saves time everywhere; the plan is plain auto's.
+    slow = run_gloo(_auto_planner, 2, 0.001)
+    assert slow[0]["levels"] == slow[1]["levels"] == plain["levels"]
+    # 10^6 Gbit/s: every exchange costs less than compressing it; all planned layers exact.
+    fast = run_gloo(_auto_planner, 2, 1e6)
+    assert fast[0]["levels"] == fast[1]["levels"]
+    planned = [lvl for lvl in plain["levels"] if "not planned" not in lvl]
+    assert planned and all("bit" in lvl or "top" in lvl or "rank" in lvl for lvl in planned)
+    assert [lvl for lvl in fast[0]["levels"] if "not planned" not in lvl] == \
+        ["exact (planner: no time saved)"] * len(planned)
+    for p, q in zip(fast[0]["params"], fast[1]["params"]):
+        assert torch.equal(p, q)

@@ -256,3 +256,27 @@ def test_error_feedback_follows_the_optimizers_update_rule():
     assert ef(Compression.auto(error_feedback=False), UpdateRule.LINEAR) is False
     # Fixed compressors keep their own setting, whatever the optimizer.
     assert ef(Compression.quantize(bits=4), UpdateRule.LINEAR) is False
+
+
+def test_layers_the_planner_keeps_exact_leave_their_budget_to_the_others():
+    from types import SimpleNamespace
+    from cgx.adaptive import AdaptiveSchedule
+    from cgx.config import Config
+    one = SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))
+    shapes = [(256, 128), (256, 128), (128, 64)]
+
+    def planned(hidden):
+        sched = AdaptiveSchedule(["a", "b", "c"], shapes, [True] * 3,
+                                 Compression.auto(window=1, families=("quantize",)), Config())
+        g = torch.Generator().manual_seed(3)
+        sched.observe(0, [0, 1, 2], [torch.randn(s, generator=g) for s in shapes])
+        sched.replan(1, one, hidden=hidden)
+        return sched
+    free, helped = planned([]), planned([0])
+    assert helped.plan[0] == Candidate(Family.EXACT)
+    assert helped.rows()[0]["level"] == "exact (planner: no time saved)"
+    assert helped.budget == pytest.approx(free.budget)  # the same budget...
+    bytes_of = lambda s, i: s.plan[i].wire_bytes(shapes[i])  # noqa: E731
+    # ...spent on fewer layers: b and c get levels at least as cheap, one strictly cheaper.
+    assert all(bytes_of(helped, i) <= bytes_of(free, i) for i in (1, 2))
+    assert sum(bytes_of(helped, i) for i in (1, 2)) < sum(bytes_of(free, i) for i in (1, 2))

@@ -150,3 +150,63 @@ def test_settings_are_checked():
         Compression.planned(drift_tolerance=0)
     with pytest.raises(ValueError, match="inside DistributedOptimizer"):
         Compression.planned().compress(torch.zeros(3))
+
+
+def test_the_plan_weighs_sufficient_factors_against_its_compressed_option():
+    from cgx.compression.planned import PlannedCompression
+    from cgx.compression.quantization import QuantSpec
+    from cgx.planner.costs import CostModel
+    from cgx.planner.schedule import PlannedSchedule
+    from cgx.sufficient_factors import worth_it
+    sched = PlannedSchedule(["fc.weight", "frozen.weight"], [(512, 512), (512, 512)],
+                            [QuantSpec(4, 1024), None], PlannedCompression())
+    # Before a plan: Poseidon's byte rule.
+    assert sched.prefer_factors("fc.weight", 64, 2, 512, 512) == worth_it(64, 2, 512, 512)
+    sched.cost = CostModel.uniform(2, 1.0)
+    # 4 rows: the factors are 64x smaller than the gradient, 8x smaller than its 4 bits.
+    assert sched.prefer_factors("fc.weight", 4, 2, 512, 512)
+    # 64 rows: the byte rule still says factors (half the float32 gradient), but 4-bit
+    # sends a quarter of what the factors would: the plan keeps the gradient.
+    assert worth_it(64, 2, 512, 512)
+    assert not sched.prefer_factors("fc.weight", 64, 2, 512, 512)
+    # A layer the rules keep exact has no 4-bit option: factors win where the bytes say so.
+    assert sched.prefer_factors("frozen.weight", 64, 2, 512, 512)
+    # The model is kept with the plan (a resumed run decides the same).
+    again = PlannedSchedule(["fc.weight", "frozen.weight"], [(512, 512), (512, 512)],
+                            [QuantSpec(4, 1024), None], PlannedCompression())
+    again.load_state_dict(sched.state_dict())
+    assert again.cost == sched.cost
+
+
+def _sfb_planned(rank, world):
+    import cgx.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 512))
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.planned(calibrate_steps=2, assume_gbit=1.0),
+        sufficient_factors=model)
+    g = torch.Generator().manual_seed(rank)
+    used = []
+    for step in range(4):
+        x = torch.randn(64, 64, generator=g)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        used.append(dict(opt.sfb_used))
+    return {"used": used, "params": [p.detach() for p in model.parameters()]}
+
+
+@pytest.mark.multiproc
+def test_planned_mode_chooses_sufficient_factors_per_layer():
+    a, b = run_gloo(_sfb_planned, 2)
+    assert a["used"] == b["used"]
+    for p, q in zip(a["params"], b["params"]):
+        assert torch.equal(p, q)
+    # 64 rows: while calibrating, Poseidon's rule sends the 512x512 layer as factors (64 x 2
+    # x 1024 values < 512 x 512); once planned, its 4-bit exchange beats them at 1 Gbit/s.
+    # The 512x64 layer never qualifies (64 x 2 x 576 > 512 x 64).
+    assert a["used"][0] == {"0.weight": False, "2.weight": True}
+    assert a["used"][-1] == {"0.weight": False, "2.weight": False}

@@ -44,7 +44,8 @@ def compression_to_config(comp: Any) -> Optional[dict]:
                 "bucket_sizes": list(comp.bucket_sizes), "densities": list(comp.densities),
                 "ranks": list(comp.ranks),
                 "rounding": None if comp.rounding is None else comp.rounding.value,
-                "error_feedback": comp.error_feedback}
+                "error_feedback": comp.error_feedback, "planner": comp.planner,
+                "assume_gbit": comp.assume_gbit}
     if isinstance(comp, QuantizeCompressor):
         return {"type": "quantize", "bits": comp.bits, "bucket_size": comp.bucket_size,
                 "rounding": comp.rounding.value, "seed": comp.seed}
