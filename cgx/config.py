@@ -145,6 +145,15 @@ def _enum(env: Mapping[str, str], name: str, cls: type[enum.Enum], default: enum
                           "(case-insensitive)") from None
 
 
+def validate_gbit(value, what: str):
+    """A link rate in Gbit/s (> 0) or None (measure the link); errors say what to pass."""
+    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                  and value > 0):
+        raise ValueError(f"{what}={value!r} must be a rate > 0 in Gbit/s, or None to measure "
+                         "the link")
+    return None if value is None else float(value)
+
+
 def validate_bits(bits: int, where: str = "bits") -> int:
     if isinstance(bits, bool) or not isinstance(bits, int):
         raise ConfigError(f"{where} must be an int, got {type(bits).__name__}")

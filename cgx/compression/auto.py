@@ -99,11 +99,8 @@ class AutoCompression(Compressor):
                                  "'stochastic'") from None
         if not isinstance(planner, bool):
             raise TypeError(f"planner must be True or False, got {planner!r}")
-        if assume_gbit is not None and not (isinstance(assume_gbit, (int, float))
-                                            and not isinstance(assume_gbit, bool)
-                                            and assume_gbit > 0):
-            raise ValueError(f"assume_gbit={assume_gbit!r} must be a rate > 0 in Gbit/s, "
-                             "or None to measure the link")
+        from cgx.config import validate_gbit
+        validate_gbit(assume_gbit, "assume_gbit")
         if error_feedback is not None and not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True, False or None, got "
                             f"{error_feedback!r}")

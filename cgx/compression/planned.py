@@ -53,11 +53,8 @@ class PlannedCompression(Compressor):
                 or calibrate_steps < 2:
             raise ValueError(f"calibrate_steps={calibrate_steps!r} must be an int >= 2 (the "
                              "first traced step is a warm-up)")
-        if assume_gbit is not None and not (isinstance(assume_gbit, (int, float))
-                                            and not isinstance(assume_gbit, bool)
-                                            and assume_gbit > 0):
-            raise ValueError(f"assume_gbit={assume_gbit!r} must be a rate > 0 in Gbit/s, "
-                             "or None to measure the link")
+        from cgx.config import validate_gbit
+        validate_gbit(assume_gbit, "assume_gbit")
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
         if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 0:
