@@ -183,7 +183,7 @@ def _walk(rank, world, walk):
                                              rounding="nearest"))
     sched = plan.adaptive
 
-    def replan(step, transport, threads=1, verbose=False):
+    def replan(step, transport, threads=1, verbose=False, hidden=()):
         sched.plan = [w[step] for w in walk.values()]
         return True
     sched.replan = replan
