@@ -354,16 +354,10 @@ class GradientPlan:
             w.copy_(o.view_as(w))
             if post != 1.0:
                 w.mul_(post)
-        world = red.transport.size
         inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
-        if hasattr(inner, "payload_numel"):  # PowerSGD: the factors, two allreduces
-            sent = 2 * (world - 1) * sum(4 * inner.payload_numel(w.shape, n)
-                                         for w, n in zip(ws, names)) // max(1, world)
-        elif hasattr(inner, "payload_nbytes"):  # top-k: one allgather of 16-byte slots
-            sent = (world - 1) * sum(-(-inner.payload_nbytes(w.numel(), w.dtype, n) // 16) * 16
-                                     for w, n in zip(ws, names))
-        else:
+        if not hasattr(inner, "bytes_sent"):  # a user's compressor: its bytes are unknown
             return
+        sent = inner.bytes_sent(ws, names, red.transport.size)
         from cgx.collectives.reducer import ReduceStats
         red.add_stats(ReduceStats(calls=1, numel=sum(w.numel() for w in ws),
                                   input_bytes=sum(w.numel() * w.element_size() for w in ws),

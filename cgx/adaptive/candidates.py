@@ -73,8 +73,8 @@ class Candidate:
             return TopKCompressor(self.density).payload_nbytes(numel)
         if isinstance(shape, int):
             raise ValueError("a PowerSGD candidate's size needs the tensor's shape")
-        n = shape[0]
-        return 4 * self.rank * (n + numel // n)
+        from cgx.compression.powersgd import PowerSGDCompressor
+        return 4 * PowerSGDCompressor(self.rank, min_compression_rate=0.0).payload_numel(shape)
 
     def traffic(self, shape, world: int) -> float:
         """Bytes one rank sends per step with ``world`` ranks (at least 2 assumed)."""
