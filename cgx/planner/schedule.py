@@ -172,6 +172,7 @@ class PlannedSchedule:
         compared standing alone. The same on every rank: the model is agreed.
         """
         from cgx.planner.costs import OptionMaker
+        from cgx.planner.simulator import group_cost
         from cgx.sufficient_factors import worth_it
         if self.cost is None:
             return worth_it(rows, ranks, out_features, in_features)
@@ -179,11 +180,12 @@ class PlannedSchedule:
         fams = ["exact", "sfb"]
         if i is None or self.eligible[i] is not None:
             fams.append(self.family)
-        opts = OptionMaker(self.cost, (self.settings.bits,), fams)(
-            TensorProfile(name, out_features * in_features, 0.0, (out_features, in_features),
-                          rows))
-        times = {o.name: o.compress_s + o.decompress_s
-                 + sum(self.cost.comm(kind, b) for kind, b in o.wire) for o in opts}
+        t = TensorProfile(name, out_features * in_features, 0.0, (out_features, in_features),
+                          rows)
+        times = {}
+        for o in OptionMaker(self.cost, (self.settings.bits,), fams)(t):
+            g = group_cost([0], [t], [o], self.cost)  # the option standing alone
+            times[o.name] = g.compress + g.comm + g.decompress
         return "sfb" in times and times["sfb"] < min(t for k, t in times.items() if k != "sfb")
 
     def specs(self) -> list:
