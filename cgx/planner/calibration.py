@@ -3,7 +3,10 @@
 * :func:`link_model`: alpha-beta per collective of the real transport (every rank calls
   it, at the same point: it runs collectives). Two message sizes per collective; the
   slowest rank's time of each, agreed with a MAX allreduce, so every rank fits the same
-  model and plans the same way.
+  model and plans the same way. Also the transport's CPU seconds per byte (this
+  process's CPU time over the larger message, the highest rank's).
+* :func:`contention`: how much the exchange's CPU work delays the compute, from the
+  cores, the ranks on this host and the compute threads per rank.
 * :func:`compressor_throughput`: bytes of float32 per second through this device's
   quantizer, both ways, and through an fp16 cast.
 * :func:`trace_backward`: per parameter, when backward produces its gradient (from the
@@ -23,28 +26,42 @@ from cgx.planner.costs import AlphaBeta, Collective, CostModel, TensorProfile
 
 
 def _timed(fn: Callable[[], None], reps: int) -> float:
+    return _timed_cpu(fn, reps)[0]
+
+
+def _process_cpu() -> float:
+    """CPU seconds of this process, every thread (the transport's own threads included)."""
+    return time.process_time()
+
+
+def _timed_cpu(fn: Callable[[], None], reps: int) -> tuple[float, float]:
+    """Median wall seconds and median CPU seconds (this process) of ``fn``."""
     fn()  # warm-up
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        c0, t0 = _process_cpu(), time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        cpu.append(_process_cpu() - c0)
+    return statistics.median(times), statistics.median(cpu)
 
 
-def _fit(small: tuple[int, float], large: tuple[int, float]) -> AlphaBeta:
+def _fit(small: tuple[int, float], large: tuple[int, float], cpu_s: float = 0.0) -> AlphaBeta:
+    """Through the two (bytes, seconds) points; ``cpu_s``: CPU seconds at the larger one."""
     (b0, t0), (b1, t1) = small, large
     beta = max((t1 - t0) / max(b1 - b0, 1), 1e-13)
-    return AlphaBeta(max(t0 - beta * b0, 0.0), beta)
+    return AlphaBeta(max(t0 - beta * b0, 0.0), beta, max(cpu_s, 0.0) / max(b1, 1))
 
 
 def link_model(transport, sizes=(1 << 12, 1 << 22), reps: int = 3) -> dict[Collective, AlphaBeta]:
-    """Fit ``alpha + beta x bytes sent per rank`` for each collective of ``transport``."""
+    """Fit ``alpha + beta x bytes sent per rank`` for each collective of ``transport``, and
+    its CPU seconds per byte (``AlphaBeta.cpu``)."""
     P = transport.size
     dev = transport.device
     if P == 1:
         return {c: AlphaBeta(0.0, 0.0) for c in Collective}
     measured: dict[Collective, list[tuple[int, float]]] = {c: [] for c in Collective}
+    cpu: dict[Collective, float] = {}
     for n in sizes:
         chunk = max(8, n // P // 8 * 8)
         a2a_in = torch.zeros(P * chunk, dtype=torch.uint8, device=dev)
@@ -59,18 +76,51 @@ def link_model(transport, sizes=(1 << 12, 1 << 22), reps: int = 3) -> dict[Colle
         }
         for kind, (sent, fn) in runs.items():
             transport.barrier()
-            measured[kind].append((sent, _timed(fn, reps)))
+            wall, cpu[kind] = _timed_cpu(fn, reps)  # the largest size's CPU time is kept
+            measured[kind].append((sent, wall))
     # The slowest rank decides, and every rank fits the same numbers.
-    flat = torch.tensor([t for kind in Collective for _, t in measured[kind]], dtype=torch.float64,
-                        device=dev)
+    flat = torch.tensor([t for kind in Collective for _, t in measured[kind]]
+                        + [cpu[kind] for kind in Collective], dtype=torch.float64, device=dev)
     from cgx.comm.base import ReduceOp
     transport.allreduce(flat, ReduceOp.MAX)
     values = iter(flat.tolist())
     out = {}
+    points = {kind: [(sent, next(values)) for sent, _ in measured[kind]] for kind in Collective}
     for kind in Collective:
-        pts = [(sent, next(values)) for sent, _ in measured[kind]]
-        out[kind] = _fit(pts[0], pts[-1])
+        out[kind] = _fit(points[kind][0], points[kind][-1], next(values))
     return out
+
+
+def ranks_on_this_host(transport) -> int:
+    """How many of ``transport``'s ranks share this host's cores (a collective: every rank
+    calls it). Network namespaces on one machine count as one host: they share its cores."""
+    import socket
+    return transport.allgather_object(socket.gethostname()).count(socket.gethostname())
+
+
+def contention(local_ranks: int, threads: Optional[int] = None,
+               cores: Optional[int] = None) -> float:
+    """:attr:`CostModel.contention` for ``local_ranks`` ranks on this host, each computing
+    with ``threads`` threads (default: torch's) on ``cores`` cores (default: this process's
+    CPU affinity).
+
+    0 when every rank has a core left for its exchange beside its compute threads: the
+    exchange runs beside backward. Otherwise the compute's threads per core (at least 1):
+    each CPU second of the exchange costs the compute that many seconds. For a GPU job
+    pass ``threads=0``: the compute is not on these cores.
+    """
+    import os
+    if threads is None:
+        threads = torch.get_num_threads()
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    if local_ranks < 1 or cores < 1 or threads < 0:
+        raise ValueError(f"contention() needs local_ranks >= 1, cores >= 1, threads >= 0; got "
+                         f"{local_ranks}, {cores}, {threads}")
+    if threads == 0 or local_ranks * (threads + 1) <= cores:
+        return 0.0
+    return max(1.0, local_ranks * threads / cores)
 
 
 def compressor_throughput(numel: int = 1 << 21, bits: int = 4, bucket_size: int = 1024,
@@ -158,7 +208,3 @@ def trace_backward(model: torch.nn.Module, step: Callable[[], torch.Tensor],
     return (profiles, statistics.median(backward[keep]),
             statistics.median(update[keep]) if update else 0.0)
 
-
-def cost_model(world: int, links: dict, throughput: dict) -> CostModel:
-    return CostModel(world, links, compress_bps=throughput["compress_bps"],
-                     decompress_bps=throughput["decompress_bps"], cast_bps=throughput["cast_bps"])

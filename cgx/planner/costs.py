@@ -1,8 +1,17 @@
 """The cost model: what each option of a tensor costs in compute and on the wire.
 
 Times come from an alpha-beta model per collective (``alpha`` seconds per call, ``beta``
-seconds per byte one rank sends) and from the measured throughput of compression
-(bytes of float32 input per second). The byte counts are the ones cgx's collectives
+seconds per byte one rank sends, ``cpu`` seconds of the transport's own CPU work per
+byte) and from the measured throughput of compression (bytes of float32 input per
+second).
+
+Where the ranks' compute already fills the cores (two single-threaded ranks on two
+cores), the exchange's CPU work - compressing, decompressing and the transport's
+copies and reductions - does not run beside backward for free: it takes the core from
+it. ``CostModel.contention`` says how much (0: each rank has a spare core). The
+simulator then bounds the step below by the compute plus that work, which the three
+lanes alone cannot see: on a fast link an exact allreduce "hidden" under backward
+still costs its reduction's CPU time. The byte counts are the ones cgx's collectives
 put on the wire (``cgx.compression.wire.packed_nbytes`` for quantized segments), so a
 plan's predicted traffic is what the statistics will report.
 """
@@ -26,10 +35,13 @@ class Collective(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class AlphaBeta:
-    """``alpha + beta * bytes``: seconds for one call in which each rank sends ``bytes``."""
+    """``alpha + beta * bytes``: seconds for one call in which each rank sends ``bytes``;
+    ``cpu * bytes``: the CPU seconds the transport spends on it in this process (its
+    threads' copies, reductions and polling)."""
 
     alpha: float
     beta: float
+    cpu: float = 0.0
 
     def time(self, nbytes: float) -> float:
         return self.alpha + self.beta * nbytes if nbytes > 0 else 0.0
@@ -45,6 +57,11 @@ class CostModel:
         compress_bps / decompress_bps: float32 bytes per second through the quantizer.
         cast_bps: float32 bytes per second through an fp16 cast (each way).
         matmul_flops: multiply-adds per second (rebuilding a gradient from its factors).
+        contention: seconds the compute is delayed per CPU second of the transport
+            (:func:`cgx.planner.calibration.contention`): 0 when every rank has a core to
+            spare for communication; otherwise the ranks per core of compute, and the
+            exchange's compression and decompression (measured in this job, so already
+            in its seconds) delay the compute one for one.
     """
 
     world: int
@@ -53,6 +70,11 @@ class CostModel:
     decompress_bps: float = 6e9
     cast_bps: float = 4e9
     matmul_flops: float = 2e10
+    contention: float = 0.0
+
+    def __post_init__(self):
+        if not self.contention >= 0:
+            raise ValueError(f"contention must be >= 0, got {self.contention!r}")
 
     @classmethod
     def uniform(cls, world: int, gbit_per_s: float, latency_s: float = 50e-6, **kw) -> "CostModel":
@@ -65,16 +87,17 @@ class CostModel:
 
     def to_dict(self) -> dict:
         """Plain values (checkpoints): the inverse of :meth:`from_dict`."""
-        return {"world": self.world, "links": {k.value: [ab.alpha, ab.beta]
+        return {"world": self.world, "links": {k.value: [ab.alpha, ab.beta, ab.cpu]
                                                for k, ab in self.links.items()},
                 "compress_bps": self.compress_bps, "decompress_bps": self.decompress_bps,
-                "cast_bps": self.cast_bps, "matmul_flops": self.matmul_flops}
+                "cast_bps": self.cast_bps, "matmul_flops": self.matmul_flops,
+                "contention": self.contention}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         return cls(int(d["world"]), {Collective(k): AlphaBeta(*v) for k, v in d["links"].items()},
                    float(d["compress_bps"]), float(d["decompress_bps"]), float(d["cast_bps"]),
-                   float(d["matmul_flops"]))
+                   float(d["matmul_flops"]), float(d.get("contention", 0.0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +128,9 @@ class Option(NamedTuple):
     linear_s: float = 0.0  # sum of beta x bytes over its collectives (set by options_for)
     # The calls it makes, (name, collective); options of one name in a fusion group share them.
     calls: tuple = ()
+    # What it takes from the compute where the CPU is shared (CostModel.contention):
+    # compression, decompression and the transport's CPU work, in seconds.
+    cpu_s: float = 0.0
 
     @property
     def bytes_sent(self) -> int:
@@ -141,39 +167,43 @@ class OptionMaker:
         self.compress_bps, self.decompress_bps = m.compress_bps, m.decompress_bps
         self.cast_bps = m.cast_bps
         self.names = {b: (f"sra-{b}bit", f"allgather-{b}bit") for b in self.bits}
+        self.contention = m.contention
+        self.cpu = {k: m.contention * ab.cpu for k, ab in m.links.items()}
+
+    def _option(self, name: str, compress_s: float, wire, decompress_s: float) -> Option:
+        beta, cpu = self.beta, self.cpu
+        calls = tuple((name, kind) for kind, nbytes in wire if nbytes)
+        shared = 0.0
+        if self.contention:
+            shared = compress_s + decompress_s + sum(cpu[k] * b for k, b in wire)
+        return Option(name, compress_s, wire, decompress_s, sum(beta[k] * b for k, b in wire),
+                      calls, shared)
 
     def __call__(self, t: TensorProfile, bucket: int = 1024) -> list[Option]:
-        P, n, beta = self.P, t.numel, self.beta
+        P, n, make = self.P, t.numel, self._option
         AR, A2A, AG = Collective.ALLREDUCE, Collective.ALLTOALL, Collective.ALLGATHER
         # exact and fp16: a ring allreduce of 4 or 2 bytes per value, with a cast each way
         # for fp16. sra: scatter-reduce-allgather of quantized chunks (each rank owns 1/P):
         # compress everything once, then the reduced own chunk again; decompress the P-1
         # received chunks (reduce) and the P-1 gathered ones. allgather: every rank
         # gathers every rank's quantized tensor and sums.
-        b = 2 * (P - 1) * 4 * n // P
-        out = [Option("exact", 0.0, ((AR, b),), 0.0, beta[AR] * b, (("exact", AR),) if b else ())]
+        out = [make("exact", 0.0, ((AR, 2 * (P - 1) * 4 * n // P),), 0.0)]
         if P == 1:
             return out
         n4 = 4 * n
         if self.fp16:
-            b = 2 * (P - 1) * 2 * n // P
             cast = n4 / self.cast_bps
-            out.append(Option("fp16", cast, ((AR, b),), cast, beta[AR] * b,
-                              (("fp16", AR),) if b else ()))
+            out.append(make("fp16", cast, ((AR, 2 * (P - 1) * 2 * n // P),), cast))
         for bits in self.bits:
             sra_name, ag_name = self.names[bits]
             if self.sra:
                 c = (P - 1) * packed_nbytes(-(-n // P), bits, bucket)
-                calls = ((sra_name, A2A), (sra_name, AG)) if c else ()
-                out.append(Option(sra_name, n4 * (1 + 1 / P) / self.compress_bps,
-                                  ((A2A, c), (AG, c)),
-                                  2 * n4 * (P - 1) / P / self.decompress_bps,
-                                  beta[A2A] * c + beta[AG] * c, calls))
+                out.append(make(sra_name, n4 * (1 + 1 / P) / self.compress_bps,
+                                ((A2A, c), (AG, c)), 2 * n4 * (P - 1) / P / self.decompress_bps))
             if self.allgather:
                 c = (P - 1) * packed_nbytes(n, bits, bucket)
-                out.append(Option(ag_name, n4 / self.compress_bps, ((AG, c),),
-                                  n4 * (P - 1) / self.decompress_bps, beta[AG] * c,
-                                  ((ag_name, AG),) if c else ()))
+                out.append(make(ag_name, n4 / self.compress_bps, ((AG, c),),
+                                n4 * (P - 1) / self.decompress_bps))
         if self.sfb and t.shape is not None and t.rows:
             # sfb: all-gather each rank's K x (M + N) factors and rebuild, only where
             # Poseidon's rule holds
@@ -181,7 +211,6 @@ class OptionMaker:
             rows, (out_f, in_f) = t.rows, t.shape
             if worth_it(rows, P, out_f, in_f):
                 c = (P - 1) * 4 * rows * (out_f + in_f)
-                out.append(Option("sfb", 0.0, ((AG, c),),
-                                  rows * P * out_f * in_f / self.m.matmul_flops, beta[AG] * c,
-                                  (("sfb", AG),) if c else ()))
+                out.append(make("sfb", 0.0, ((AG, c),),
+                                rows * P * out_f * in_f / self.m.matmul_flops))
         return out

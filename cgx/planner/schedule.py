@@ -197,15 +197,20 @@ class PlannedSchedule:
                timeline=None) -> Plan:
         """Every rank at the same point: agree on the profile, measure, plan."""
         from cgx.comm.base import ReduceOp
-        from cgx.planner.calibration import compressor_throughput, link_model
+        from cgx.planner.calibration import (compressor_throughput, contention, link_model,
+                                             ranks_on_this_host)
         n = len(self.names)
         local = torch.tensor([statistics.median(r) if r else 0.0 for r in self._ready] + [
-            0.0, 0.0, 0.0], dtype=torch.float64)
+            0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
         tp = compressor_throughput(numel=1 << 20, bits=self.settings.bits,
                                    bucket_size=self.settings.bucket_size, reps=2)
-        # MAX over ranks: the latest ready time and the slowest quantizer (as 1/throughput)
+        # MAX over ranks: the latest ready time, the slowest quantizer (as 1/throughput)
+        # and the most crowded host
         local[n:] = torch.tensor([1.0 / tp["compress_bps"], 1.0 / tp["decompress_bps"],
-                                  1.0 / tp["cast_bps"]], dtype=torch.float64)
+                                  1.0 / tp["cast_bps"],
+                                  contention(ranks_on_this_host(transport),
+                                             0 if transport.device.type == "cuda" else None)],
+                                 dtype=torch.float64)
         agreed = local.to(transport.device)
         if transport.size > 1:
             transport.allreduce(agreed, ReduceOp.MAX)
@@ -217,7 +222,8 @@ class PlannedSchedule:
                                      cast_bps=1 / inv[2])
         else:
             cost = CostModel(transport.size, link_model(transport), compress_bps=1 / inv[0],
-                             decompress_bps=1 / inv[1], cast_bps=1 / inv[2])
+                             decompress_bps=1 / inv[1], cast_bps=1 / inv[2],
+                             contention=inv[3])
         self.cost = cost
         tensors = [TensorProfile(name, math.prod(shape), t)
                    for name, shape, t in zip(self.names, self.shapes, ready)]

@@ -10,6 +10,10 @@
    a tensor hides is judged in the whole timeline, not alone: its traffic may delay
    others.
 
+Where the cores are shared, every option's CPU work (``Option.cpu_s``) adds to one
+total that bounds the step below (see ``cgx.planner.simulator``); a swap changes it by
+the two options' difference.
+
 Changing one tensor changes one group's cost. The lanes before the group and, folded
 into one max-plus functional, the effect of the groups after it are kept while a sweep
 moves, so trying an option costs O(1) and a sweep O(tensors x options + groups).
@@ -50,17 +54,18 @@ class _Group:
     options' difference and the alphas only where a call appears or disappears.
     """
 
-    __slots__ = ("ready", "compress", "decompress", "comm", "users", "alpha")
+    __slots__ = ("ready", "compress", "decompress", "comm", "users", "alpha", "cpu")
 
     def __init__(self, members, tensors, choice, alpha):
         self.alpha = alpha  # collective -> seconds per call
         self.ready = max(tensors[i].ready_s for i in members)
         users: dict[tuple, int] = {}  # (option name, collective) -> members using that call
-        compress = decompress = comm = 0.0
+        compress = decompress = comm = cpu = 0.0
         for i in members:
             o = choice[i]
             compress += o.compress_s
             decompress += o.decompress_s
+            cpu += o.cpu_s
             comm += o.linear_s
             for key in o.calls:
                 n = users.get(key, 0)
@@ -68,6 +73,7 @@ class _Group:
                     comm += alpha[key[1]]
                 users[key] = n + 1
         self.users, self.compress, self.decompress, self.comm = users, compress, decompress, comm
+        self.cpu = cpu
 
     def _comm_delta(self, old: Optional[Option], new: Option) -> float:
         delta = new.linear_s - (old.linear_s if old is not None else 0.0)
@@ -82,7 +88,7 @@ class _Group:
         return delta
 
     def cost(self) -> GroupCost:
-        return GroupCost(self.ready, self.compress, self.comm, self.decompress)
+        return GroupCost(self.ready, self.compress, self.comm, self.decompress, self.cpu)
 
     def swap(self, old: Optional[Option], new: Option) -> None:
         self.comm += self._comm_delta(old, new)
@@ -92,10 +98,12 @@ class _Group:
                 users[key] -= 1
             self.compress -= old.compress_s
             self.decompress -= old.decompress_s
+            self.cpu -= old.cpu_s
         for key in new.calls:
             users[key] = users.get(key, 0) + 1
         self.compress += new.compress_s
         self.decompress += new.decompress_s
+        self.cpu += new.cpu_s
 
 
 @dataclasses.dataclass
@@ -159,27 +167,31 @@ def _apply(f: Functional, lanes: Lanes) -> float:
 
 
 def _worth_trying(opts: list[Option], alpha: dict) -> list[int]:
-    """Indices of the options to try: exact, and any option no other beats on both
-    compute and (uncontended) network time (``alpha``: seconds per call, per collective)."""
+    """Indices of the options to try: exact, and any option no other beats on compute,
+    (uncontended) network time and CPU taken from the compute (``alpha``: seconds per
+    call, per collective)."""
     cost = []
     for o in opts:
         net = o.linear_s
         for _, kind in o.calls:
             net += alpha[kind]
-        cost.append((o.compress_s + o.decompress_s, net))
+        cost.append((o.compress_s + o.decompress_s, net, o.cpu_s))
     keep = [0]
     for j in range(1, len(opts)):
-        cj, nj = cost[j]
-        for i, (ci, ni) in enumerate(cost):
-            if i != j and ci <= cj and ni <= nj and (ci < cj or ni < nj or i < j):
-                break  # option i is at least as good on both counts
+        cj, nj, uj = cost[j]
+        for i, (ci, ni, ui) in enumerate(cost):
+            if i != j and ci <= cj and ni <= nj and ui <= uj and (
+                    ci < cj or ni < nj or ui < uj or i < j):
+                break  # option i is at least as good on every count
         else:
             keep.append(j)
     return keep
 
 
-def _decide(i, opts, tries, choice, current, grp, lanes_before, after) -> bool:
-    """Give tensor ``i`` its best option, ties to the earliest (exact first). ``advance``,
+def _decide(i, opts, tries, choice, current, grp, lanes_before, after, cpu_floor) -> float:
+    """Give tensor ``i`` its best option, ties to the earliest (exact first); return the
+    change of the total CPU work. ``cpu_floor``: the step's lower bound from the compute
+    and every other option's CPU work (the current one's included). ``advance``,
     ``_apply`` and the communication delta are inlined: this is the planner's inner loop."""
     c_free, n_free, d_free = lanes_before
     k, a, b, e = after
@@ -191,6 +203,7 @@ def _decide(i, opts, tries, choice, current, grp, lanes_before, after) -> bool:
     comp0 = grp.compress - old.compress_s
     dec0 = grp.decompress - old.decompress_s
     comm0 = grp.comm - old.linear_s
+    floor0 = cpu_floor - old.cpu_s
     for key in old.calls:  # the calls only the old option made disappear with it
         if users[key] == 1:
             comm0 -= alpha[key[1]]
@@ -216,13 +229,17 @@ def _decide(i, opts, tries, choice, current, grp, lanes_before, after) -> bool:
             t = b + n1
         if e + d1 > t:
             t = e + d1
+        floor = floor0 + opts[j].cpu_s
+        if floor > t:
+            t = floor
         if best_j < 0 or t < best_t * (1 - 1e-9):
             best_j, best_t = j, t
     if best_j == cur:
-        return False
-    grp.swap(old, opts[best_j])
-    current[i], choice[i] = opts[best_j], best_j
-    return True
+        return 0.0
+    new = opts[best_j]
+    grp.swap(old, new)
+    current[i], choice[i] = new, best_j
+    return new.cpu_s - old.cpu_s
 
 
 class _Sweeper:
@@ -242,6 +259,8 @@ class _Sweeper:
         self.state = [_Group(members, tensors, self.current, alpha) for members in groups]
         self.by_size = [sorted(members, key=lambda k: -tensors[k].numel) for members in groups]
         self.terminal = _terminal(backward_s, tail_s)
+        self.base = backward_s + tail_s
+        self.cpu = sum(o.cpu_s for o in self.current)
 
     def _suffixes(self) -> list[Functional]:
         G = len(self.state)
@@ -251,7 +270,7 @@ class _Sweeper:
         return out
 
     def step_s(self) -> float:
-        return _apply(self._suffixes()[0], (0.0, 0.0, 0.0))
+        return max(_apply(self._suffixes()[0], (0.0, 0.0, 0.0)), self.base + self.cpu)
 
     def forward(self) -> None:
         after = self._suffixes()
@@ -259,8 +278,9 @@ class _Sweeper:
         for g, grp in enumerate(self.state):
             for i in self.by_size[g]:
                 if len(self.tries_of[i]) > 1:
-                    _decide(i, self.options[i], self.tries_of[i], self.choice, self.current,
-                            grp, lanes, after[g + 1])
+                    self.cpu += _decide(i, self.options[i], self.tries_of[i], self.choice,
+                                        self.current, grp, lanes, after[g + 1],
+                                        self.base + self.cpu)
             lanes = advance(lanes, grp.cost())[0]
 
     def backward(self) -> None:
@@ -273,8 +293,8 @@ class _Sweeper:
             grp = self.state[g]
             for i in self.by_size[g]:
                 if len(self.tries_of[i]) > 1:
-                    _decide(i, self.options[i], self.tries_of[i], self.choice, self.current,
-                            grp, before[g], f)
+                    self.cpu += _decide(i, self.options[i], self.tries_of[i], self.choice,
+                                        self.current, grp, before[g], f, self.base + self.cpu)
             f = _compose(grp.cost(), f)
 
 
