@@ -3,8 +3,10 @@
 Builds the model (``FACTORY()`` returns a ``torch.nn.Module``), traces a few local training
 steps on random inputs of the given shape (gradient-ready times, backward and optimizer
 time), measures this machine's compressor throughput, assumes the link given (alpha-beta:
-``--latency-us`` per call, ``--gbit`` per rank), and prints the planner's decision per
-tensor: the chosen option and the predicted step time with each alternative.
+``--latency-us`` per call, ``--gbit`` per rank, ``--transport-cpu-ns`` of the transport's
+CPU time per byte) and ``--ranks-per-host`` ranks like this process sharing its cores,
+and prints the planner's decision per tensor: the chosen option and the predicted step
+time with each alternative.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2, help="ranks")
     p.add_argument("--gbit", type=float, default=1.0, help="link rate per rank, Gbit/s")
     p.add_argument("--latency-us", type=float, default=50.0, help="seconds per call, in us")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="ranks sharing this host's cores (for CPU training)")
+    p.add_argument("--transport-cpu-ns", type=float, default=0.0,
+                   help="the transport's CPU time per byte sent, in ns (Gloo on loopback: "
+                        "about 1; cgx.planner.calibration.link_model measures it)")
     p.add_argument("--bits", default="4", help="quantization levels offered, e.g. 4 or 4,8")
     p.add_argument("--families", default="exact,fp16,sra,allgather,sfb")
     p.add_argument("--limit", type=int, default=30, help="rows of the table (largest tensors)")
@@ -45,11 +52,13 @@ def main(argv=None) -> int:
         p.error("--input and --bits take comma-separated integers")
     if args.world < 1:
         p.error("--world must be >= 1")
+    if args.ranks_per_host < 1 or args.transport_cpu_ns < 0:
+        p.error("--ranks-per-host must be >= 1 and --transport-cpu-ns >= 0")
 
     import torch
 
     from cgx.planner import CostModel, format_plan, plan
-    from cgx.planner.calibration import compressor_throughput, trace_backward
+    from cgx.planner.calibration import compressor_throughput, contention, trace_backward
 
     torch.manual_seed(0)
     model = _factory(args.model)()
@@ -60,12 +69,14 @@ def main(argv=None) -> int:
     tensors, backward_s, tail_s = trace_backward(model, lambda: model(x).float().square().mean(), opt)
     tp = compressor_throughput()
     model_cost = CostModel.uniform(args.world, args.gbit, latency_s=args.latency_us * 1e-6,
-                                   **tp)
+                                   cpu_per_byte=args.transport_cpu_ns * 1e-9,
+                                   contention=contention(args.ranks_per_host), **tp)
     result = plan(tensors, model_cost, backward_s, tail_s=tail_s, bits=bits,
                   families=args.families.split(","))
     print(f"{args.model}: {sum(t.numel for t in tensors):,} parameters in {len(tensors)} tensors; "
           f"{args.world} ranks at {args.gbit:g} Gbit/s; quantizer {tp['compress_bps'] / 1e9:.1f} / "
-          f"{tp['decompress_bps'] / 1e9:.1f} GB/s (compress / decompress)\n")
+          f"{tp['decompress_bps'] / 1e9:.1f} GB/s (compress / decompress); contention "
+          f"{model_cost.contention:g}\n")
     print(format_plan(result, limit=args.limit))
     return 0
 

@@ -77,9 +77,11 @@ class CostModel:
             raise ValueError(f"contention must be >= 0, got {self.contention!r}")
 
     @classmethod
-    def uniform(cls, world: int, gbit_per_s: float, latency_s: float = 50e-6, **kw) -> "CostModel":
-        """The same link for every collective: ``gbit_per_s`` and ``latency_s`` per call."""
-        ab = AlphaBeta(latency_s, 8 / (gbit_per_s * 1e9))
+    def uniform(cls, world: int, gbit_per_s: float, latency_s: float = 50e-6,
+                cpu_per_byte: float = 0.0, **kw) -> "CostModel":
+        """The same link for every collective: ``gbit_per_s``, ``latency_s`` per call and
+        the transport's ``cpu_per_byte`` CPU seconds."""
+        ab = AlphaBeta(latency_s, 8 / (gbit_per_s * 1e9), cpu_per_byte)
         return cls(world, {c: ab for c in Collective}, **kw)
 
     def comm(self, kind: Collective, nbytes: float) -> float:
@@ -171,13 +173,19 @@ class OptionMaker:
         self.cpu = {k: m.contention * ab.cpu for k, ab in m.links.items()}
 
     def _option(self, name: str, compress_s: float, wire, decompress_s: float) -> Option:
+        """One option: its calls and times from the bytes of each collective (one or two)."""
         beta, cpu = self.beta, self.cpu
-        calls = tuple((name, kind) for kind, nbytes in wire if nbytes)
-        shared = 0.0
-        if self.contention:
-            shared = compress_s + decompress_s + sum(cpu[k] * b for k, b in wire)
-        return Option(name, compress_s, wire, decompress_s, sum(beta[k] * b for k, b in wire),
-                      calls, shared)
+        (k0, b0), rest = wire[0], wire[1:]
+        linear, moved = beta[k0] * b0, cpu[k0] * b0
+        calls = ((name, k0),) if b0 else ()
+        if rest:
+            k1, b1 = rest[0]
+            linear += beta[k1] * b1
+            moved += cpu[k1] * b1
+            if b1:
+                calls += ((name, k1),)
+        shared = compress_s + decompress_s + moved if self.contention else 0.0
+        return Option(name, compress_s, wire, decompress_s, linear, calls, shared)
 
     def __call__(self, t: TensorProfile, bucket: int = 1024) -> list[Option]:
         P, n, make = self.P, t.numel, self._option

@@ -21,7 +21,7 @@ def _link_rank(rank, world):
     from cgx import runtime
     hvd.init()
     links = link_model(runtime.transport(), sizes=(1 << 10, 1 << 23), reps=2)
-    return {k.value: (ab.alpha, ab.beta) for k, ab in links.items()}
+    return {k.value: (ab.alpha, ab.beta, ab.cpu) for k, ab in links.items()}
 
 
 @pytest.mark.multiproc
@@ -29,11 +29,12 @@ def test_link_model_is_the_same_on_every_rank():
     a, b = run_gloo(_link_rank, 2)
     assert a == b  # fitted from the slowest rank's times: every rank plans alike
     assert set(a) == {c.value for c in Collective}
-    for alpha, beta in a.values():
-        # loopback: calls well under a second, and faster than 1 MB/s
-        assert 0 <= alpha < 1.0 and 0 < beta < 1e-6, a
+    for alpha, beta, cpu in a.values():
+        # loopback: calls well under a second, and faster than 1 MB/s; moving 8 MB takes
+        # this process some CPU time, and less than a microsecond per byte
+        assert 0 <= alpha < 1.0 and 0 < beta < 1e-6 and 0 < cpu < 1e-6, a
     # 8 MB per rank takes visibly longer than 1 kB (a real bandwidth was measured).
-    assert max(beta for _, beta in a.values()) > 1e-11, a
+    assert max(beta for _, beta, _ in a.values()) > 1e-11, a
 
 
 def test_trace_backward_orders_gradients_as_backward_produces_them():

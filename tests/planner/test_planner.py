@@ -3,6 +3,7 @@ the answer is known, and the greedy planner against brute force."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -10,6 +11,7 @@ import pytest
 
 from cgx.planner import (AlphaBeta, Collective, CostModel, Option, TensorProfile, format_plan,
                          options_for, plan, simulate)
+from cgx.planner.calibration import contention
 from cgx.planner.simulator import advance, group_cost
 from cgx.planner.strategy import _apply, _compose, _terminal, fusion_groups
 from cgx.sufficient_factors import worth_it
@@ -40,6 +42,50 @@ def test_simulator_on_a_hand_made_timeline():
     c = Option("y", 0.0, ((Collective.ALLGATHER, 1),), 0.0)
     assert group_cost([0, 1], tensors, [a, c], m2).comm == 20.0
     assert group_cost([0, 1], tensors, [a, b], m2).comm == 10.0
+
+
+def test_shared_cores_take_the_exchanges_cpu_work_from_the_compute():
+    """With contention, an exchange that hides under backward on the wire still takes its
+    CPU time from the compute: the step is at least backward plus that work."""
+    m = CostModel(2, {c: AlphaBeta(0.0, 1.0, cpu=0.5) for c in Collective}, contention=2.0,
+                  compress_bps=4.0, decompress_bps=8.0)
+    t = TensorProfile("a", 1, ready_s=0.0)
+    exact, sra = options_for(t, m, families=("exact", "sra"))
+    # exact: 4 bytes of ring allreduce -> 4 s on the wire, 0.5 x 4 CPU s, x2 contention
+    assert exact.cpu_s == pytest.approx(4.0)
+    wire = sum(b for _, b in sra.wire)
+    assert sra.cpu_s == pytest.approx(sra.compress_s + sra.decompress_s + 2.0 * 0.5 * wire)
+    tl = simulate([t], [exact], [[0]], m, backward_s=10.0, tail_s=1.0)
+    assert tl.groups == ((0.0, 4.0, 4.0),)  # the wire is done long before backward ends
+    assert tl.cpu_s == pytest.approx(4.0) and tl.step_s == pytest.approx(10.0 + 4.0 + 1.0)
+    assert tl.exposed_s == pytest.approx(4.0)
+    # The same cores with one to spare per rank: the exchange runs beside backward.
+    free = dataclasses.replace(m, contention=0.0)
+    e0 = options_for(t, free)[0]
+    assert e0.cpu_s == 0.0
+    assert simulate([t], [e0], [[0]], free, 10.0, 1.0).step_s == pytest.approx(11.0)
+    with pytest.raises(ValueError, match="contention"):
+        dataclasses.replace(m, contention=-1.0)
+
+
+def test_contention_from_ranks_threads_and_cores():
+    assert contention(2, threads=1, cores=2) == 1.0  # two ranks fill two cores
+    assert contention(4, threads=1, cores=2) == 2.0  # four ranks on two: each CPU s costs two
+    assert contention(2, threads=1, cores=4) == 0.0  # a core to spare per rank
+    assert contention(1, threads=2, cores=2) == 1.0
+    assert contention(2, threads=0, cores=2) == 0.0  # compute on a GPU
+    with pytest.raises(ValueError, match="local_ranks"):
+        contention(0, threads=1, cores=2)
+
+
+def test_cost_model_round_trips_and_reads_the_older_form():
+    m = CostModel(3, {c: AlphaBeta(1e-4, 2e-9, 3e-10) for c in Collective}, contention=1.5)
+    assert CostModel.from_dict(m.to_dict()) == m
+    old = m.to_dict()
+    old["links"] = {k: v[:2] for k, v in old["links"].items()}
+    del old["contention"]
+    back = CostModel.from_dict(old)  # a checkpoint from before the CPU terms
+    assert back.contention == 0.0 and all(ab.cpu == 0.0 for ab in back.links.values())
 
 
 def test_folded_suffix_equals_the_simulation():
@@ -86,6 +132,21 @@ def test_a_huge_tensor_on_a_slow_link_is_compressed_and_not_on_a_fast_one():
     assert fast.chosen[0].name == "exact"
 
 
+def test_shared_cores_compress_a_hidden_tensor_whose_exact_exchange_costs_more_cpu():
+    """A tensor that hides under backward on a fast link stays exact with a core to spare,
+    and is compressed when the cores are shared and the exact allreduce's CPU work (copies,
+    reduction) exceeds compressing and decompressing it."""
+    big = TensorProfile("conv", 16 << 20, ready_s=0.0)  # 64 MB, ready at once
+    kw = dict(compress_bps=8e9, decompress_bps=16e9, cast_bps=1e9)
+    links = {c: AlphaBeta(5e-5, 8 / 10e9, cpu=1e-9) for c in Collective}  # 10 Gbit/s
+    free = plan([big], CostModel(2, links, contention=0.0, **kw), backward_s=1.0)
+    assert free.chosen[0].name == "exact" and free.timeline.exposed_s == 0.0
+    shared = plan([big], CostModel(2, links, contention=1.0, **kw), backward_s=1.0)
+    assert shared.chosen[0].name != "exact"
+    exact_cpu = shared.options[0][0].cpu_s
+    assert shared.step_s < 1.0 + exact_cpu
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_sufficient_factors_are_chosen_exactly_when_the_rule_allows(world):
     """Exact-only choices (fp32 or factors) on a slow link with a free rebuild: the planner
@@ -105,6 +166,10 @@ def _instance(rng):
     m = CostModel.uniform(world, rng.choice([1.0, 10.0, 25.0]), latency_s=rng.choice([5e-5, 1e-3]),
                           compress_bps=rng.uniform(0.5e9, 4e9), decompress_bps=rng.uniform(1e9, 8e9),
                           matmul_flops=rng.uniform(1e9, 1e11))
+    if rng.random() < 0.5:  # shared cores: the exchange's CPU work counts
+        cpu = rng.uniform(0.2e-9, 3e-9)
+        m = dataclasses.replace(m, contention=rng.choice([1.0, 2.0]), links={
+            c: dataclasses.replace(ab, cpu=cpu) for c, ab in m.links.items()})
     tensors = []
     for i in range(rng.randint(2, 5)):
         numel = rng.choice([1 << 10, 1 << 16, 1 << 20, 1 << 22, 1 << 24])
