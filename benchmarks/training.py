@@ -24,6 +24,7 @@ rank sends per step, as ``<out>.json``, ``<out>.md`` and ``<out>.png``.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -184,7 +185,13 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
         values = powersgd_values(model, 1) if method == "ddp-powersgd" else params
         width = {"compute": 0, "ddp-fp32": 4, "ddp-fp16": 2, "ddp-powersgd": 4}[method]
         wire = ring_bytes(width * values, world)
-    return {"method": method, "times_s": times, "params": params, "wire_bytes": wire}
+    out = {"method": method, "times_s": times, "params": params, "wire_bytes": wire}
+    plan = opt.exchange_plan() if method.startswith("cgx-planned") else None
+    if plan is not None:  # what the planner saw and decided
+        out["plan"] = {"predicted_s": plan.step_s, "backward_s": plan.backward_s,
+                       "cpu_s": plan.timeline.cpu_s, "cost": plan.model.to_dict(),
+                       "choices": dict(collections.Counter(o.name for o in plan.chosen))}
+    return out
 
 
 def main(argv=None) -> int:

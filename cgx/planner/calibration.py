@@ -3,8 +3,8 @@
 * :func:`link_model`: alpha-beta per collective of the real transport (every rank calls
   it, at the same point: it runs collectives). Two message sizes per collective; the
   slowest rank's time of each, agreed with a MAX allreduce, so every rank fits the same
-  model and plans the same way. Also the transport's CPU seconds per byte (this
-  process's CPU time over the larger message, the highest rank's).
+  model and plans the same way. Also the transport's CPU seconds per byte (the slope of
+  this process's CPU time between the two sizes, the highest rank's).
 * :func:`contention`: how much the exchange's CPU work delays the compute, from the
   cores, the ranks on this host and the compute threads per rank.
 * :func:`compressor_throughput`: bytes of float32 per second through this device's
@@ -46,14 +46,16 @@ def _timed_cpu(fn: Callable[[], None], reps: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(cpu)
 
 
-def _fit(small: tuple[int, float], large: tuple[int, float], cpu_s: float = 0.0) -> AlphaBeta:
-    """Through the two (bytes, seconds) points; ``cpu_s``: CPU seconds at the larger one."""
+def _fit(small: tuple[int, float], large: tuple[int, float],
+         cpu: tuple[float, float] = (0.0, 0.0)) -> AlphaBeta:
+    """Through the two (bytes, seconds) points; ``cpu``: CPU seconds at each, whose slope
+    is the transport's CPU time per byte (a call's fixed CPU cost is in alpha)."""
     (b0, t0), (b1, t1) = small, large
     beta = max((t1 - t0) / max(b1 - b0, 1), 1e-13)
-    return AlphaBeta(max(t0 - beta * b0, 0.0), beta, max(cpu_s, 0.0) / max(b1, 1))
+    return AlphaBeta(max(t0 - beta * b0, 0.0), beta, max(cpu[1] - cpu[0], 0.0) / max(b1 - b0, 1))
 
 
-def link_model(transport, sizes=(1 << 12, 1 << 22), reps: int = 3) -> dict[Collective, AlphaBeta]:
+def link_model(transport, sizes=(1 << 12, 1 << 24), reps: int = 3) -> dict[Collective, AlphaBeta]:
     """Fit ``alpha + beta x bytes sent per rank`` for each collective of ``transport``, and
     its CPU seconds per byte (``AlphaBeta.cpu``)."""
     P = transport.size
@@ -61,7 +63,7 @@ def link_model(transport, sizes=(1 << 12, 1 << 22), reps: int = 3) -> dict[Colle
     if P == 1:
         return {c: AlphaBeta(0.0, 0.0) for c in Collective}
     measured: dict[Collective, list[tuple[int, float]]] = {c: [] for c in Collective}
-    cpu: dict[Collective, float] = {}
+    cpu: dict[Collective, list[float]] = {c: [] for c in Collective}
     for n in sizes:
         chunk = max(8, n // P // 8 * 8)
         a2a_in = torch.zeros(P * chunk, dtype=torch.uint8, device=dev)
@@ -76,18 +78,21 @@ def link_model(transport, sizes=(1 << 12, 1 << 22), reps: int = 3) -> dict[Colle
         }
         for kind, (sent, fn) in runs.items():
             transport.barrier()
-            wall, cpu[kind] = _timed_cpu(fn, reps)  # the largest size's CPU time is kept
+            wall, used = _timed_cpu(fn, reps)
             measured[kind].append((sent, wall))
+            cpu[kind].append(used)
     # The slowest rank decides, and every rank fits the same numbers.
     flat = torch.tensor([t for kind in Collective for _, t in measured[kind]]
-                        + [cpu[kind] for kind in Collective], dtype=torch.float64, device=dev)
+                        + [c for kind in Collective for c in cpu[kind]], dtype=torch.float64,
+                        device=dev)
     from cgx.comm.base import ReduceOp
     transport.allreduce(flat, ReduceOp.MAX)
     values = iter(flat.tolist())
     out = {}
     points = {kind: [(sent, next(values)) for sent, _ in measured[kind]] for kind in Collective}
     for kind in Collective:
-        out[kind] = _fit(points[kind][0], points[kind][-1], next(values))
+        used = [next(values) for _ in measured[kind]]
+        out[kind] = _fit(points[kind][0], points[kind][-1], (used[0], used[-1]))
     return out
 
 

@@ -188,6 +188,17 @@ class PlannedSchedule:
             times[o.name] = g.compress + g.comm + g.decompress
         return "sfb" in times and times["sfb"] < min(t for k, t in times.items() if k != "sfb")
 
+    def _cpu_of(self, tensors: Sequence[TensorProfile], compressed: Sequence[bool],
+                cost: CostModel) -> float:
+        """The exchange's CPU work (``Option.cpu_s`` summed) with ``compressed[i]`` per tensor."""
+        from cgx.planner.costs import OptionMaker
+        make = OptionMaker(cost, (self.settings.bits,), ("exact", self.family))
+        total = 0.0
+        for t, c in zip(tensors, compressed):
+            opts = make(t, self.settings.bucket_size)
+            total += (opts[-1] if c else opts[0]).cpu_s
+        return total
+
     def specs(self) -> list:
         if self.chosen is None:
             return list(self.eligible)
@@ -202,7 +213,7 @@ class PlannedSchedule:
         n = len(self.names)
         local = torch.tensor([statistics.median(r) if r else 0.0 for r in self._ready] + [
             0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
-        tp = compressor_throughput(numel=1 << 20, bits=self.settings.bits,
+        tp = compressor_throughput(numel=1 << 22, bits=self.settings.bits,
                                    bucket_size=self.settings.bucket_size, reps=2)
         # MAX over ranks: the latest ready time, the slowest quantizer (as 1/throughput)
         # and the most crowded host
@@ -228,6 +239,16 @@ class PlannedSchedule:
         tensors = [TensorProfile(name, math.prod(shape), t)
                    for name, shape, t in zip(self.names, self.shapes, ready)]
         backward = max(ready) if ready else 0.0
+        if cost.contention > 0 and backward > 0:
+            # The ready times were traced with the exchange then in use running beside
+            # backward on the same cores: take its CPU work (in the new model) out of them,
+            # or the plan would count it twice. At most half: not all of it overlapped.
+            in_use = self.chosen if self.chosen is not None else [e is not None
+                                                                  for e in self.eligible]
+            busy = self._cpu_of(tensors, in_use, cost)
+            scale = max(0.5, 1.0 - busy / backward)
+            tensors = [dataclasses.replace(t, ready_s=t.ready_s * scale) for t in tensors]
+            backward *= scale
         result = plan(tensors, cost, backward, fusion_mb=(self.fusion_mb,),
                       bits=(self.settings.bits,), families=("exact", self.family),
                       exact_only=[e is None for e in self.eligible])
