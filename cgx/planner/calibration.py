@@ -8,7 +8,8 @@
 * :func:`contention`: how much the exchange's CPU work delays the compute, from the
   cores, the ranks on this host and the compute threads per rank.
 * :func:`compressor_throughput`: bytes of float32 per second through this device's
-  quantizer, both ways, and through an fp16 cast.
+  quantizer, both ways, and through an fp16 cast (per CPU second of the calling thread
+  on a CPU, so a measurement beside backward still gives the work it costs).
 * :func:`trace_backward`: per parameter, when backward produces its gradient (from the
   start of backward), backward's length and the optimizer's; for ``nn.Linear`` weights
   the batch rows the layer saw (what sufficient factors cost).
@@ -17,6 +18,7 @@
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from typing import Callable, Optional
 
@@ -30,19 +32,26 @@ def _timed(fn: Callable[[], None], reps: int) -> float:
 
 
 def _process_cpu() -> float:
-    """CPU seconds of this process, every thread (the transport's own threads included)."""
-    return time.process_time()
+    """CPU seconds of this process's threads (the transport's own included), except the
+    main thread's when another thread measures: a job calibrates on its engine thread
+    while backward may still run on the main one."""
+    total = time.process_time()
+    main = threading.main_thread()
+    if threading.current_thread() is not main and hasattr(time, "pthread_getcpuclockid"):
+        total -= time.clock_gettime(time.pthread_getcpuclockid(main.ident))
+    return total
 
 
-def _timed_cpu(fn: Callable[[], None], reps: int) -> tuple[float, float]:
-    """Median wall seconds and median CPU seconds (this process) of ``fn``."""
+def _timed_cpu(fn: Callable[[], None], reps: int,
+               clock: Callable[[], float] = _process_cpu) -> tuple[float, float]:
+    """Median wall seconds and median CPU seconds (``clock``) of ``fn``."""
     fn()  # warm-up
     times, cpu = [], []
     for _ in range(reps):
-        c0, t0 = _process_cpu(), time.perf_counter()
+        c0, t0 = clock(), time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-        cpu.append(_process_cpu() - c0)
+        cpu.append(clock() - c0)
     return statistics.median(times), statistics.median(cpu)
 
 
@@ -154,8 +163,15 @@ def compressor_throughput(numel: int = 1 << 21, bits: int = 4, bucket_size: int 
         sync()
 
     n4 = 4 * numel
-    return {"compress_bps": n4 / _timed(q, reps), "decompress_bps": n4 / _timed(dq, reps),
-            "cast_bps": 2 * n4 / _timed(cast, reps)}
+    if x.is_cuda:
+        timed = lambda fn: _timed(fn, reps)  # noqa: E731
+    else:
+        # The calling thread's CPU time, not the wall clock: in a job this runs beside
+        # backward on shared cores, and the work is what the model needs (contention is
+        # the model's, CostModel.contention)
+        timed = lambda fn: _timed_cpu(fn, reps, clock=time.thread_time)[1]  # noqa: E731
+    return {"compress_bps": n4 / timed(q), "decompress_bps": n4 / timed(dq),
+            "cast_bps": 2 * n4 / timed(cast)}
 
 
 def trace_backward(model: torch.nn.Module, step: Callable[[], torch.Tensor],

@@ -230,7 +230,7 @@ class PlannedSchedule:
         if self.settings.assume_gbit is not None:
             cost = CostModel.uniform(transport.size, self.settings.assume_gbit,
                                      compress_bps=1 / inv[0], decompress_bps=1 / inv[1],
-                                     cast_bps=1 / inv[2])
+                                     cast_bps=1 / inv[2], contention=inv[3])
         else:
             cost = CostModel(transport.size, link_model(transport), compress_bps=1 / inv[0],
                              decompress_bps=1 / inv[1], cast_bps=1 / inv[2],

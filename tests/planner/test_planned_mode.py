@@ -210,3 +210,44 @@ def test_planned_mode_chooses_sufficient_factors_per_layer():
     # The 512x64 layer never qualifies (64 x 2 x 576 > 512 x 64).
     assert a["used"][0] == {"0.weight": False, "2.weight": True}
     assert a["used"][-1] == {"0.weight": False, "2.weight": False}
+
+
+class _TwoRanksHere:
+    """A stand-in transport for a plan's bookkeeping: 2 ranks on this host, every rank
+    with the same values (the agreed MAX is this rank's own)."""
+
+    size, rank, device = 2, 0, torch.device("cpu")
+
+    def allreduce(self, t, op=None):
+        return None
+
+    def allgather_object(self, obj):
+        return [obj, obj]
+
+
+@pytest.mark.parametrize("shared", [0.0, 1.0])
+def test_ready_times_traced_beside_the_exchange_lose_its_cpu_work(monkeypatch, shared):
+    """On shared cores the calibration steps' backward ran with the 4-bit exchange taking
+    CPU beside it: the plan starts from the traced times minus that work, once."""
+    import cgx.planner.calibration as calibration
+    from cgx.compression.planned import PlannedCompression
+    from cgx.compression.quantization import QuantSpec
+    from cgx.planner import TensorProfile, options_for
+    from cgx.planner.schedule import PlannedSchedule
+    monkeypatch.setattr(calibration, "contention", lambda *a, **k: shared)
+    names, shapes = ["a.weight", "b.weight", "b.bias"], [(1024, 1024), (512, 1024), (512,)]
+    sched = PlannedSchedule(names, shapes, [QuantSpec(4, 1024), QuantSpec(4, 1024), None],
+                            PlannedCompression(assume_gbit=10.0))
+    traced = [0.30, 0.12, 0.10]
+    for q, t in zip(sched._ready, traced):
+        q.extend([t] * 3)
+    p = sched.replan(_TwoRanksHere())
+    assert sched.cost.contention == shared
+    # the exchange in use while tracing: 4-bit for the two weights, the bias exact
+    busy = sum(options_for(TensorProfile(n, t.numel, 0.0), sched.cost,
+                           families=("exact", "sra"))[1 if q else 0].cpu_s
+               for n, t, q in zip(names, p.tensors, (True, True, False)))
+    assert (busy > 0) == (shared > 0)
+    scale = max(0.5, 1 - busy / 0.30)
+    assert p.backward_s == pytest.approx(0.30 * scale)
+    assert [t.ready_s for t in p.tensors] == pytest.approx([t * scale for t in traced])
