@@ -78,3 +78,35 @@ def test_command_line_prints_the_plan(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "cgx.planner", "nomodule:f", "--input", "2,3"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "cannot load 'nomodule:f'" in bad.stderr
+
+
+def test_transport_cpu_leaves_out_the_main_threads_backward():
+    """Measured from another thread (a job's engine thread), the transport's CPU time does
+    not include what the main thread spends meanwhile (backward); from the main thread
+    it includes the caller's own work."""
+    import threading
+    import time
+
+    from cgx.planner.calibration import _process_cpu
+    seen, done = {}, threading.Event()
+
+    def engine():
+        c0 = _process_cpu()
+        time.sleep(0.3)
+        seen["cpu"] = _process_cpu() - c0
+        done.set()
+
+    t = threading.Thread(target=engine)
+    busy0 = time.thread_time()
+    t.start()
+    n = 0
+    while not done.is_set():  # the main thread computes while the engine measures
+        n += 1
+    t.join()
+    burnt = time.thread_time() - busy0
+    assert burnt > 0.1 and seen["cpu"] < 0.5 * burnt, (burnt, seen)
+    c0 = _process_cpu()
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.1:
+        n += 1
+    assert _process_cpu() - c0 >= 0.09
