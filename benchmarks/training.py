@@ -17,8 +17,9 @@ defaults), and ``cgx-planned`` (``Compression.planned()``: each tensor exact or
 ``DistributedOptimizer``, 4-bit, in ``train_on_batch``: each bucket starts as its
 gradients exist) and ``keras-cgx-one-call`` (the same, all gradients in one exchange
 after backward). Reports
-seconds per step (mean over the timed steps, slowest rank) and the bytes each
-rank sends per step, as ``<out>.json``, ``<out>.md`` and ``<out>.png``.
+seconds per step (mean over the timed steps, slowest rank; with ``--rounds N`` every
+method runs N times in turn and the median of the N means is reported) and the bytes
+each rank sends per step, as ``<out>.json``, ``<out>.md`` and ``<out>.png``.
 """
 
 from __future__ import annotations
@@ -201,8 +202,12 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every method this many times, in turn; report the median")
     p.add_argument("--out", default="benchmarks/results/training")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in METHODS]
     if bad:
@@ -212,8 +217,11 @@ def main(argv=None) -> int:
 
     from benchmarks.netsim import NetnsUnavailable, RankFailedError, SlowNetwork
 
-    results = []
-    for method in progress(methods, desc="training", unit="method"):
+    runs: dict[str, list] = {m: [] for m in methods}
+    # Rounds run every method once each, in turn: on a shared machine the speed drifts over
+    # minutes, and interleaving spreads that drift over all methods alike.
+    cases = [m for _ in range(args.rounds) for m in methods]
+    for method in progress(cases, desc="training", unit="run"):
         try:
             with SlowNetwork(n_ranks=2, rate=rate) as net:
                 res = net.run_function("benchmarks.training:rank_main",
@@ -225,35 +233,58 @@ def main(argv=None) -> int:
             return 2
         except RankFailedError as exc:  # report a method that crashes, keep the others
             res = {"method": method, "error": str(exc).splitlines()[-1][:300]}
-        results.append(res)
-    base = next((statistics.mean(r["times_s"]) for r in results
-                 if r["method"] == "ddp-fp32" and "times_s" in r), None)
+        runs[method].append(res)
+    results = [_merge(runs[m]) for m in methods]
+    base = next((_step(r) for r in results if r["method"] == "ddp-fp32" and "times_s" in r), None)
+    many = args.rounds > 1
     lines = [f"Command: `python benchmarks/training.py {' '.join(argv or sys.argv[1:])}`", "",
              f"VGG-11 (28.1 M parameters), batch {args.batch}/rank, 2 ranks x 1 thread, "
-             f"link {args.rate}", "",
-             "| method | s/step | vs DDP fp32 | step / compute-only step | MB sent/step/rank |",
-             "|---|---:|---:|---:|---:|"]
-    floor = {r["method"]: statistics.mean(r["times_s"]) for r in results
+             f"link {args.rate}" + (f"; s/step: the median of {args.rounds} rounds' means, "
+                                    "each round every method in turn" if many else ""), "",
+             "| method | s/step | vs DDP fp32 | step / compute-only step | MB sent/step/rank |"
+             + (" rounds (min-max s/step) |" if many else ""),
+             "|---|---:|---:|---:|---:|" + ("---:|" if many else "")]
+    floor = {r["method"]: _step(r) for r in results
              if r["method"] in ("compute", "keras-compute") and "times_s" in r}
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['method']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['method']} | failed: {r['error']} | | | |" + (" |" if many else ""))
             continue
-        t = statistics.mean(r["times_s"])
+        t = _step(r)
         wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 1e6:.1f}"
         speed = f"{base / t:.2f}x" if base else "-"
         own = floor.get("keras-compute" if r["method"].startswith("keras") else "compute")
         vs_floor = f"{t / own:.2f}" if own else "-"
-        lines.append(f"| {r['method']} | {t:.3f} | {speed} | {vs_floor} | {wire} |")
+        spread = (f" {min(r['round_means']):.3f}-{max(r['round_means']):.3f} |" if many else "")
+        lines.append(f"| {r['method']} | {t:.3f} | {speed} | {vs_floor} | {wire} |{spread}")
     md = "\n".join(lines)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"rate": args.rate, "batch": args.batch, "results": results}, f, indent=1)
+        json.dump({"rate": args.rate, "batch": args.batch, "rounds": args.rounds,
+                   "results": results}, f, indent=1)
     with open(args.out + ".md", "w") as f:
         f.write(md + "\n")
     _plot(results, args.out + ".png", args.rate)
     print(md)
     return 0
+
+
+def _step(r: dict) -> float:
+    """A method's seconds per step: the median over rounds of each round's mean."""
+    return statistics.median(r["round_means"]) if "round_means" in r else statistics.mean(
+        r["times_s"])
+
+
+def _merge(runs: list) -> dict:
+    """One method's rounds as one result: every timed step, each round's mean, the last
+    round's other fields (bytes, plan); a method that failed in every round, its error."""
+    ok = [r for r in runs if "times_s" in r]
+    if not ok:
+        return runs[-1]
+    out = dict(ok[-1])
+    out["times_s"] = [t for r in ok for t in r["times_s"]]
+    out["round_means"] = [statistics.mean(r["times_s"]) for r in ok]
+    return out
 
 
 def _plot(results, path, rate) -> None:
@@ -264,7 +295,7 @@ def _plot(results, path, rate) -> None:
     ok = [r for r in results if "times_s" in r]
     fig, ax = plt.subplots(figsize=(7, 3.8))
     names = [r["method"] for r in ok]
-    means = [statistics.mean(r["times_s"]) for r in ok]
+    means = [_step(r) for r in ok]
     colors = ["#888888" if n.endswith("compute") else "#1f77b4" if n.startswith("cgx") else "#ff7f0e"
               for n in names]
     ax.barh(names, means, color=colors)
