@@ -78,6 +78,17 @@ def test_command_line_prints_the_plan(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "cgx.planner", "nomodule:f", "--input", "2,3"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "cannot load 'nomodule:f'" in bad.stderr
+    # A host whose cores the ranks share: the model says how much (threads per core).
+    shared = subprocess.run([sys.executable, "-m", "cgx.planner", "tinymodels:mlp", "--input",
+                             "8,32", "--ranks-per-host", "4", "--transport-cpu-ns", "1"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert shared.returncode == 0, shared.stderr
+    assert "; contention " in shared.stdout and "; contention 0\n" not in shared.stdout
+    wrong = subprocess.run([sys.executable, "-m", "cgx.planner", "tinymodels:mlp", "--input",
+                            "8,32", "--ranks-per-host", "0"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert wrong.returncode == 2 and "--ranks-per-host must be >= 1" in wrong.stderr
 
 
 def test_transport_cpu_leaves_out_the_main_threads_backward():
