@@ -15,9 +15,10 @@ The torch adapter records the factors (``cgx.torch.factor_capture``); this modul
 decides and exchanges. The factors are a faithful record only if each backward pass saw exactly one
 forward call of the layer; otherwise (a layer used twice, a forward without a
 backward) the layer falls back to the plain reduction for that step. The
-choice is agreed by every rank with one small MAX allreduce per step (K and
-the faithfulness flag per layer), because the ranks must issue the same
-collectives.
+choice is agreed by every rank with one small allgather per layer and step (K and
+the faithfulness flag), because the ranks must issue the same collectives. Each
+layer's exchange starts as soon as its weight gradient is ready, beside the rest of
+backward.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ import dataclasses
 from typing import Optional
 
 import torch
-
-from cgx.comm.base import ReduceOp
 
 
 @dataclasses.dataclass
@@ -65,62 +64,76 @@ def worth_it(rows: int, ranks: int, out_features: int, in_features: int) -> bool
     return rows * ranks * (out_features + in_features) < out_features * in_features
 
 
-def exchange(captures: list, weights: list, transport, passes: int, average: bool,
-             plain, record=None, choose=None) -> list:
-    """Engine thread, every rank at the same point: rebuild or reduce each layer's weight grad.
+def exchange_layer(cap: Capture, weight: torch.Tensor, transport, passes: int, average: bool,
+                   plain, record=None, choose=None, shadow: bool = False) -> bool:
+    """Engine thread, every rank at the same point: rebuild or reduce one layer's weight grad.
+
+    Launched as soon as the weight's gradient is ready, so the exchange overlaps the rest
+    of backward (Poseidon's wait-free backpropagation); the optimizer launches these in
+    its fixed bucket order, so every rank issues the same collectives. Two collectives:
+    a tiny allgather of every rank's (rows, faithful) - the decision, the same on every
+    rank - and one allgather of the factors ``[dy | x]`` (K x (M + N) float32 per rank,
+    padded to the largest K).
 
     Args:
-        captures: the :class:`Capture` of each layer, in a fixed order.
-        weights: their weight parameters (``p.grad`` is overwritten with the result).
+        cap: the layer's :class:`Capture`.
+        weight: its weight parameter (``weight.grad`` is overwritten with the result).
         transport: the world transport.
         passes: backward passes per step (the optimizer's ``backward_passes_per_step``).
         average: divide by the number of ranks.
-        plain: ``plain(weights)`` reduces those weights' gradients the ordinary way (fallback).
+        plain: ``plain()`` reduces this weight's gradient the ordinary way (fallback).
         record: ``record(ReduceStats)`` adds the bytes this rank sent to cgx's statistics.
         choose: ``choose(name, rows, ranks, out_features, in_features)`` -> send this layer
             as factors? (default: Poseidon's rule, :func:`worth_it`); it must decide the same
             on every rank (the planned exchange's plan does).
+        shadow: this rank takes part without a gradient of its own (``join()``, or a
+            layer that got no gradient): it offers no factors, so the layer goes plain.
 
     Returns:
-        Per layer, True when its gradient travelled as factors.
+        True when the gradient travelled as factors.
     """
-    from cgx.collectives.functional import allgather_rows
-    P = transport.size
-    local = torch.tensor([[c.rows(), 0 if c.faithful(passes) else 1] for c in captures],
-                         dtype=torch.int64, device=transport.device).view(-1)
-    if P > 1 and local.numel():
-        transport.allreduce(local, ReduceOp.MAX)  # the same decision on every rank
-    agreed = local.view(-1, 2).tolist()
-    used, fallback = [], []
-    for (rows, unfaithful), cap, w in zip(agreed, captures, weights):
-        m, n = w.shape
-        if not unfaithful and rows > 0 and (choose(cap.name, rows, P, m, n) if choose
-                                            else worth_it(rows, P, m, n)):
-            x = torch.cat(cap.inputs) if cap.inputs else torch.zeros(0, n)
-            g = torch.cat(cap.grads) if cap.grads else torch.zeros(0, m)
-            xs = allgather_rows(x.contiguous(), f"sfb.{cap.name}.inputs")
-            gs = allgather_rows(g.contiguous(), f"sfb.{cap.name}.grads")
-            grad = gs.t().mm(xs)
-            if average:
-                grad.div_(P)
-            if record is not None:
-                from cgx.collectives.reducer import ReduceStats
-                sent = (P - 1) * 4 * rows * (m + n)  # this rank's padded rows, to P-1 ranks
-                record(ReduceStats(calls=1, numel=m * n, input_bytes=4 * m * n,
-                                   wire_bytes=sent, seconds={
-                                       "_fp32_wire": float(2 * (P - 1) * 4 * m * n // P)}))
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
-            w.grad.copy_(grad.to(w.grad.dtype))
-            used.append(True)
-        else:
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
-            fallback.append(w)
-            used.append(False)
-    if fallback:
-        plain(fallback)
-    return used
+    P, dev = transport.size, transport.device
+    m, n = weight.shape
+    rows = 0 if shadow else cap.rows()
+    faithful = (not shadow) and cap.faithful(passes)
+    mine = torch.tensor([rows, int(faithful)], dtype=torch.int64, device=dev)
+    every = torch.empty(2 * P, dtype=torch.int64, device=dev)
+    if P > 1:
+        transport.allgather(every.view(torch.uint8), mine.view(torch.uint8))
+    else:
+        every.copy_(mine)
+    every = every.view(P, 2).tolist()
+    counts = [r for r, _ in every]
+    k = max(counts)
+    use = all(f for _, f in every) and k > 0 and (
+        choose(cap.name, k, P, m, n) if choose else worth_it(k, P, m, n))
+    if not use:
+        plain()
+        return False
+    # One K x (M + N) block per rank, [dy | x], padded to the largest K with zero rows.
+    send = torch.zeros(k, m + n, dtype=torch.float32, device=dev)
+    at = 0
+    for g, x in zip(cap.grads, cap.inputs):  # one pair per backward pass
+        send[at:at + g.shape[0], :m].copy_(g)
+        send[at:at + x.shape[0], m:].copy_(x)
+        at += x.shape[0]
+    recv = torch.empty(P * k, m + n, dtype=torch.float32, device=dev)
+    transport.allgather(recv.view(-1).view(torch.uint8), send.view(-1).view(torch.uint8))
+    if any(c != k for c in counts):  # drop the padding rows
+        recv = torch.cat([recv[r * k: r * k + c] for r, c in enumerate(counts)])
+    # The same arithmetic on the same gathered rows: bit-identical on every rank.
+    grad = recv[:, :m].t().mm(recv[:, m:])
+    if average:
+        grad.div_(P)
+    if record is not None:
+        from cgx.collectives.reducer import ReduceStats
+        sent = (P - 1) * (4 * k * (m + n) + 16)  # this rank's padded block to P-1 ranks
+        record(ReduceStats(calls=1, numel=m * n, input_bytes=4 * m * n, wire_bytes=sent,
+                           seconds={"_fp32_wire": float(2 * (P - 1) * 4 * m * n // P)}))
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    weight.grad.copy_(grad.to(device=weight.grad.device, dtype=weight.grad.dtype))
+    return True
 
 
 def factor_bytes(rows: int, ranks: int, out_features: int, in_features: int) -> int:

@@ -107,3 +107,82 @@ def test_factors_cut_the_bytes_sent():
     # fc1 (256x64) and fc2 (256x256) go as 4 rows x (M + N) factors instead of M x N values.
     saved = 4 * (256 * 64 + 256 * 256) - 4 * 4 * ((256 + 64) + (256 + 256))
     assert plain - sfb == pytest.approx(saved, rel=0.05)
+
+
+class Branchy(Net):
+    """Net whose fc2 can be skipped: a rank that skips it has no factors and no gradient."""
+
+    def forward(self, x, skip_fc2=False):
+        h = torch.relu_(self.fc1(x))
+        h = h if skip_fc2 else torch.tanh(self.fc2(h))
+        return self.head(torch.tanh(self.frozen(h)))
+
+
+def _edges(rank, world, use):
+    import cgx.torch as hvd
+    hvd.init()
+    model = Branchy()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.exact,
+                                   sufficient_factors=model if use else None)
+    grads, used = [], []
+    # Step 1: rank 0 does not use fc2. Then rank 1 runs out of data and joins: rank 0's
+    # steps 2 and 3 are shadowed by rank 1 with zeros.
+    for step in range(4 if rank == 0 else 2):
+        opt.zero_grad()
+        model(_batch(step, rank), skip_fc2=(step == 1 and rank == 0)).pow(2).mean().backward()
+        opt.step()
+        grads.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+        used.append(dict(opt.sfb_used))
+    last = hvd.join()
+    return {"grads": grads, "used": used, "last": last,
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_unused_layer_and_join_take_the_plain_path_with_the_same_result():
+    plain = run_gloo(_edges, 2, False)
+    sfb = run_gloo(_edges, 2, True)
+    for r in range(2):
+        assert sfb[r]["last"] == plain[r]["last"] == 0
+        for gs, gp in zip(sfb[r]["grads"], plain[r]["grads"]):
+            for a, b in zip(gs, gp):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(sfb[r]["params"], plain[r]["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    used = sfb[0]["used"]
+    assert used[0]["fc2.weight"] is True
+    assert used[1]["fc2.weight"] is False  # rank 0 had no factors for it: plain, both ranks
+    assert sfb[1]["used"][1]["fc2.weight"] is False
+    assert used[1]["fc1.weight"] is True
+    assert used[2]["fc1.weight"] is False  # rank 1 joined: its shadow offers no factors
+
+
+def _overlap(rank, world):
+    import time
+
+    import cgx.torch as hvd
+    hvd.init()
+    torch.manual_seed(0)
+    # A slow backward below the linear layer: its factors can travel meanwhile.
+    convs = [torch.nn.Conv2d(16, 16, 3, padding=1) for _ in range(12)]
+    body = torch.nn.Sequential(*[m for c in convs for m in (c, torch.nn.Tanh())])
+    model = torch.nn.Sequential(body, torch.nn.Flatten(), torch.nn.Linear(16 * 32 * 32, 512))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.exact, sufficient_factors=model)
+    out = []
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 16, 32, 32)).square().mean().backward()
+        backward_done = time.perf_counter()
+        opt.step()
+        out.append((opt.timing["factors"][0], backward_done, dict(opt.sfb_used)))
+    return out
+
+
+def test_factor_exchange_overlaps_backward():
+    for per_rank in run_gloo(_overlap, 2):
+        for started, backward_done, used in per_rank[1:]:
+            assert used == {"2.weight": True}
+            assert started < backward_done, "the factors left only after backward"

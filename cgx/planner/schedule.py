@@ -168,8 +168,9 @@ class PlannedSchedule:
         and rebuild take less time, in the plan's cost model, than the layer's other
         options at this plan's level (exact, and quantized where the rules allow) - so a
         4-bit exchange that beats the factors wins, which the byte rule (against float32)
-        cannot see. The layer travels after backward either way, so the options are
-        compared standing alone. The same on every rank: the model is agreed.
+        cannot see. Either way the layer travels alone, in its own bucket, as soon as
+        its gradient is ready, so the options are compared standing alone. The same on
+        every rank: the model is agreed.
         """
         from cgx.planner.costs import OptionMaker
         from cgx.planner.simulator import group_cost

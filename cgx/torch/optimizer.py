@@ -42,7 +42,8 @@ from cgx.comm.consistency import Signature, describe, signature
 from cgx.compression import Compression, as_compressor
 from cgx.errors import CGXError, CollectiveMismatchError
 from cgx.adaptive.compensation import update_rule_of
-from cgx.grad_plan import GradientPlan, GradMode, ready_order_buckets  # noqa: F401 - GradMode: API
+from cgx.grad_plan import (FIRST_BUCKET_BYTES, GradientPlan, GradMode,  # noqa: F401 - GradMode: API
+                            ready_order_buckets)
 from cgx import session
 from cgx.collectives.functional import Average, Sum, group_size, resolve_process_set
 from cgx.process_sets import global_process_set, reducer_of
@@ -227,6 +228,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._capture = FactorCapture(self._sfb_model, {id(p) for p in params})
             self._sfb_index = [i for i, p in enumerate(params) if id(p) in
                                self._capture.captures]
+        self._sfb_set = frozenset(self._sfb_index)
         self.sfb_used: dict = {}  # last step: weight name -> travelled as factors
         self._buckets = self._make_buckets(params, cfg.fusion_buffer_bytes)
         self._bucket_of = {}
@@ -251,7 +253,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._should_sync = True
         self._synchronized = False
         self._auto_synced = False
-        self.timing: dict[str, Any] = {}  # last step's launch/start/end times (tests, timeline)
+        # Last step: bucket launch/start/end times and when each factor exchange began.
+        self.timing: dict[str, Any] = {}
         self._signature = self._make_signature()
         self._timeline = session.reducer().timeline
         self._digest = self._signature.digest()
@@ -315,20 +318,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
             inner.state = value
 
     def _make_buckets(self, params, cap_bytes) -> list[list[int]]:
+        """Fusion buckets in launch order; a sufficient-factor weight is a bucket of its
+        own, placed where backward produces it, so its exchange starts beside backward."""
+        sfb = set(getattr(self, "_sfb_index", ()))
+        alone = [[i] for i in sorted(sfb, reverse=True)]
         if self._user_groups is not None:
-            order = [[self._index[id(p)] for p in g if id(p) in self._index]
-                     for g in self._user_groups]
+            order = [[self._index[id(p)] for p in g if id(p) in self._index and
+                      self._index[id(p)] not in sfb] for g in self._user_groups]
             grouped = {i for g in order for i in g}
-            rest = [i for i in range(len(params)) if i not in grouped]
-            return [g for g in order if g] + ([rest] if rest else [])
-        skip = set(getattr(self, "_sfb_index", ()))
-        rev = [i for i in range(len(params))[::-1] if i not in skip]
+            rest = [i for i in range(len(params)) if i not in grouped and i not in sfb]
+            return [g for g in order if g] + ([rest] if rest else []) + alone
+        rev = [i for i in range(len(params))[::-1] if i not in sfb]
         if self._num_groups:
             n = min(self._num_groups, len(rev)) or 1
-            return [rev[k * len(rev) // n:(k + 1) * len(rev) // n] for k in range(n)]
-        kept = rev[::-1]  # parameter order, without the sufficient-factor weights
-        return [[kept[j] for j in b]
-                for b in ready_order_buckets([params[i].numel() * 4 for i in kept], cap_bytes)]
+            return [rev[k * len(rev) // n:(k + 1) * len(rev) // n] for k in range(n)] + alone
+        # Ready order, cut at each factor weight: the runs between them are fused as usual.
+        buckets: list[list[int]] = []
+        run: list[int] = []
+
+        def flush() -> None:
+            if run:
+                kept = run[::-1]  # parameter order
+                first = FIRST_BUCKET_BYTES if not buckets else cap_bytes
+                buckets.extend([kept[j] for j in b] for b in ready_order_buckets(
+                    [params[i].numel() * 4 for i in kept], cap_bytes, first))
+                run.clear()
+
+        for i in range(len(params) - 1, -1, -1):
+            if i in sfb:
+                flush()
+                buckets.append([i])
+            else:
+                run.append(i)
+        flush()
+        return buckets
 
     def _reset_step_state(self) -> None:
         self._sparse_out: dict = {}  # sparse gradients reduced this step, by index
@@ -354,7 +377,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     self._setup()
             i = self._index.get(id(p))
             if i is None or i not in self._bucket_of:
-                return  # not ours, or a weight that travels as sufficient factors
+                return  # not ours
             c = self._counts[i] + 1
             if c > self._bpps:
                 raise CGXError(f"gradients of '{self._names[id(p)]}' were computed more than "
@@ -381,11 +404,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _launch(self, b: int, zeros: bool = False, status: bool = True) -> None:
         if b == 0:
             self.timing = {"launch": [], "start": [], "end": []}
+            self.sfb_used = {}  # this step's: weight name -> travelled as factors
             if status and group_size(self._group) > 1:
                 # One tiny collective per step lets ranks that called join() follow.
                 self._handles.append(session.submit(_status_exchange, self._registry_id,
                                                     self._signature, self._group,
                                                     label="step-status"))
+        if len(self._buckets[b]) == 1 and self._buckets[b][0] in self._sfb_set:
+            i = self._buckets[b][0]
+            event = None
+            if not zeros and self._params[i].is_cuda:
+                event = torch.cuda.Event()  # the factors come from the backward stream
+                event.record()
+            self._handles.append(session.submit(self._exchange_factors, i, zeros, event,
+                                                label=f"opt{self._registry_id}.factors{i}"))
+            return
         grads, dense_idx = [], []
         for i in self._buckets[b]:
             p = self._params[i]
@@ -445,27 +478,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not shadow:
             self._sparse_out[i] = out
 
-    def _exchange_factors(self) -> None:
-        """Engine thread: the sufficient-factor layers' weight gradients (every rank, in order)."""
-        from cgx.sufficient_factors import exchange
-        weights = [self._params[i] for i in self._sfb_index]
-        caps = [self._capture.captures[id(w)] for w in weights]
-        by_id = {id(w): i for w, i in zip(weights, self._sfb_index)}
+    def _exchange_factors(self, i: int, shadow: bool, event) -> None:
+        """Engine thread: one linear layer's weight gradient, as factors or plainly."""
+        from cgx.sufficient_factors import exchange_layer
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+        self.timing.setdefault("factors", []).append(time.perf_counter())
+        w = self._params[i]
+        cap = self._capture.captures[id(w)]
+        zero = torch.zeros_like(w) if shadow or w.grad is None else None
+        if zero is not None and not shadow:
+            w.grad = zero  # no gradient on this rank: it contributes zeros
 
-        def plain(ws):
-            grads = [w.grad for w in ws]
-            outs = self._plan.reduce(grads, name=f"opt{self._registry_id}.factors.plain",
-                                     step=self._step_count, indices=[by_id[id(w)] for w in ws])
-            for g, o in zip(grads, outs):
-                if o is not g:
-                    g.copy_(o.view_as(g))
+        def plain() -> None:
+            g = zero if zero is not None else w.grad
+            out, = self._plan.reduce([g], name=f"opt{self._registry_id}.factors.plain",
+                                     step=self._step_count, indices=[i], shadow=shadow)
+            if out is not g and not shadow:
+                g.copy_(out.view_as(g))
 
         red = reducer_of(self._group)
         planned = self._plan.planned  # the planned exchange weighs factors against the rest
         choose = planned.prefer_factors if planned is not None else None
-        used = exchange(caps, weights, red.transport, self._bpps, self._op is Average, plain,
-                        record=red.add_stats, choose=choose)
-        self.sfb_used = {c.name: u for c, u in zip(caps, used)}
+        used = exchange_layer(cap, w, red.transport, self._bpps, self._op is Average, plain,
+                              record=red.add_stats, choose=choose, shadow=shadow)
+        if not shadow:
+            self.sfb_used[cap.name] = used
 
     # -- the public optimizer API -------------------------------------------------------
 
@@ -515,9 +553,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             while self._next < len(self._buckets):
                 self._launch(self._next)
                 self._next += 1
-            if self._sfb_index:
-                self._handles.append(session.submit(
-                    self._exchange_factors, label=f"opt{self._registry_id}.factors"))
             handles = self._handles
             self._handles = []
         t0 = time.perf_counter()
