@@ -66,14 +66,17 @@ def _store_f32(ptr, offs, v, mask, BF16: tl.constexpr):
 
 @triton.jit
 def _noise(key, index_offset, pos):
-    """wire.noise(key, index_offset + pos) in [0, 1), uint32 arithmetic (wrapping)."""
-    h = (index_offset.to(tl.uint32) + pos.to(tl.uint32)) * 0x9E3779B1 + key.to(tl.uint32)
+    """wire.noise(key, index_offset, pos) in [0, 1), uint32 arithmetic (wrapping): one
+    hash per two positions 8 apart (what the CPU path shares; a GPU lane computes its own)."""
+    c = index_offset.to(tl.uint32) + ((pos >> 4) * 8 + (pos & 7)).to(tl.uint32)
+    h = c * 0x9E3779B1 + key.to(tl.uint32)
     h ^= h >> 16
     h *= 0x85EBCA6B
     h ^= h >> 13
     h *= 0xC2B2AE35
     h ^= h >> 16
-    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    h = (h >> (((pos >> 3) & 1) * 16).to(tl.uint32)) & 0xFFFF
+    return h.to(tl.float32) * (1.0 / 65536.0)
 
 
 @triton.jit
@@ -275,7 +278,7 @@ def quantize(x: torch.Tensor, bits: int, bucket_size: int, stochastic: bool, key
         x: contiguous float32/float16/bfloat16 CUDA tensor (treated as 1-D).
         bits: 1..8 bits per code.
         bucket_size: values per bucket, a multiple of 8.
-        stochastic: stochastic rounding with ``wire.noise(key, index_offset + i)``; else nearest.
+        stochastic: stochastic rounding with ``wire.noise(key, index_offset, i)``; else nearest.
         key, index_offset: the noise counter (taken mod 2**32).
         write_back: also overwrite ``x`` with the decoded values (fused requantize).
         out: uint8 destination with at least ``wire.packed_nbytes`` bytes; allocated when None.

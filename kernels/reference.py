@@ -32,9 +32,11 @@ def hash32(key: int, index: torch.Tensor) -> torch.Tensor:
 
 
 def noise(key: int, index_offset: int, numel: int, device=None) -> torch.Tensor:
-    """Stochastic-rounding offsets r in [0, 1) for elements index_offset .. +numel (float32)."""
-    idx = torch.arange(numel, dtype=torch.int64, device=device) + index_offset
-    return (hash32(key, idx) >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    """Stochastic-rounding offsets r in [0, 1) of positions 0 .. numel-1 (float32;
+    ``wire.noise``: one hash per two values, 8 positions apart)."""
+    pos = torch.arange(numel, dtype=torch.int64, device=device)
+    h = hash32(key, index_offset + (pos >> 4) * 8 + (pos & 7))
+    return ((h >> (16 * ((pos >> 3) & 1))) & 0xFFFF).to(torch.float32) * (1.0 / (1 << 16))
 
 
 def _bucket_stats(xf: torch.Tensor, bits: int, bucket_size: int):
@@ -93,7 +95,7 @@ def quantize(x: torch.Tensor, bits: int, bucket_size: int, stochastic: bool, key
         x: values to quantize (any float dtype; computed in float32).
         bits: 1..8 bits per code.
         bucket_size: values per bucket, a multiple of 8.
-        stochastic: stochastic rounding with ``noise(key, index_offset + i)``; else nearest.
+        stochastic: stochastic rounding with ``wire.noise(key, index_offset, i)``; else nearest.
         key, index_offset: noise counter (see ``wire.noise_key``).
         write_back: also overwrite ``x`` with its decoded values (requantization
             of a reduced chunk, so the owner holds what every peer will decode).

@@ -76,9 +76,32 @@ def test_hash_and_noise_match_the_scalar_definition():
     for key in (0, 7, 0xDEADBEEF):
         vec = reference.hash32(key, torch.tensor(idx, dtype=torch.int64))
         assert vec.tolist() == [wire.hash32(key, i) for i in idx]
-    r = reference.noise(0xDEADBEEF, 2**32 - 3, 6)  # the counter wraps mod 2**32
-    assert r.tolist() == [wire.noise(0xDEADBEEF, (2**32 - 3 + i) % 2**32) for i in range(6)]
+    r = reference.noise(0xDEADBEEF, 2**32 - 3, 40)  # the counter wraps mod 2**32
+    assert r.tolist() == [wire.noise(0xDEADBEEF, 2**32 - 3, p) for p in range(40)]
     assert bool(((r >= 0) & (r < 1)).all())
+    # One hash per two values 8 apart: its low half for the first, its high half after.
+    h = wire.hash32(5, wire.noise_counter(100, 17))
+    assert wire.noise_counter(100, 17) == wire.noise_counter(100, 25) == 100 + 8 + 1
+    assert wire.noise(5, 100, 17) == (h & 0xFFFF) / 65536
+    assert wire.noise(5, 100, 25) == (h >> 16) / 65536
+
+
+def test_noise_counters_are_distinct_and_disjoint_across_segments():
+    # Within a tensor no two positions share (counter, half); a tensor of n values uses
+    # counters [off, off + n/2), so buffer offsets keep segments apart.
+    n = 1000
+    seen = {(wire.noise_counter(0, p), (p >> 3) & 1) for p in range(n)}
+    assert len(seen) == n
+    assert max(c for c, _ in seen) < n // 2 + 8
+    assert not {c for c, _ in seen} & {wire.noise_counter(n, p) for p in range(64)}
+
+
+def test_noise_is_uniform_and_independent_of_the_neighbour():
+    r = reference.noise(0x1234, 0, 1 << 16).double()
+    assert abs(r.mean().item() - 0.5) < 0.005
+    assert abs(r.var().item() - 1 / 12) < 0.002
+    a, b = r[:-8].view(-1), r[8:].view(-1)  # values sharing a hash
+    assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.02
 
 
 def test_noise_key_separates_its_parts():

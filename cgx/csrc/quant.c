@@ -62,29 +62,36 @@ CGX_INLINE v8f splat(float v) {
     return (v8f)((v8u){0} + u);
 }
 
+CGX_INLINE v8u splat_u(uint32_t u) { return (v8u){0} + u; }
+
 CGX_INLINE v8f select_f(v8i mask, v8f a, v8f b) {
     return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
 }
 
-/* Stochastic-rounding offsets: lane j of group g gets noise(key, i0 + 8g + j) =
- * (murmur3 fmix32(i * 0x9E3779B1 + key) >> 8) * 2^-24, exactly wire.noise().
- * The first multiply is linear, so it is carried from group to group as a
- * running sum (mod 2^32): noise_start() once per bucket, noise_next() per group. */
-CGX_INLINE v8u noise_start(uint32_t key, uint32_t i0) {
+/* Stochastic-rounding offsets, exactly wire.noise(): one murmur3 fmix32 hash per
+ * two values 8 positions apart. Position p (from the tensor's start) hashes the
+ * counter c = off + (p >> 4) * 8 + (p & 7); the group of 8 at p uses the hash's
+ * low 16 bits when (p >> 3) is even, its high 16 bits when odd. The counter's
+ * multiply is linear, so it is carried from block to block as a running sum
+ * (mod 2^32): noise_start() once per bucket, noise_hash() per block of 16,
+ * noise_half() per group of 8. */
+CGX_INLINE v8u noise_start(uint32_t key, uint32_t off, int64_t p) {
     const v8u iota = {0, 1, 2, 3, 4, 5, 6, 7};
-    return (iota + i0) * 0x9E3779B1u + key;
+    return (iota + off + (uint32_t)((p >> 4) * 8)) * 0x9E3779B1u + key;
 }
 
-CGX_INLINE v8f noise_next(v8u *state) {
-    v8u h = *state;
-    *state = h + 8u * 0x9E3779B1u; /* the next group's i * 0x9E3779B1 + key */
+CGX_INLINE v8u noise_hash(v8u h) {
     h ^= h >> 16;
     h *= 0x85EBCA6Bu;
     h ^= h >> 13;
     h *= 0xC2B2AE35u;
     h ^= h >> 16;
-    /* < 2^24, so the signed conversion is exact */
-    return __builtin_convertvector((v8i)(h >> 8), v8f) * splat(1.0f / 16777216.0f);
+    return h;
+}
+
+CGX_INLINE v8f noise_half(v8u h, const int high) {
+    v8u u = high ? h >> 16 : h & 0xFFFFu; /* < 2^16: the signed conversion is exact */
+    return __builtin_convertvector((v8i)u, v8f) * splat(1.0f / 65536.0f);
 }
 
 #define CGX_SWITCH_BITS_DT(CALL)                                  \

@@ -28,7 +28,7 @@
 
 /* Quantize buckets [bucket_begin, bucket_end) of x (n values of dtype) into the
  * segment at payload (wire.packed_nbytes(n, bits, bucket_size) bytes).
- * stochastic: r = noise(key, index_offset + i), else r = 0.5.
+ * stochastic: r = wire.noise(key, index_offset, i), else r = 0.5.
  * write_back: also overwrite x with the decoded values (fused requantize).
  * The range that ends at the last bucket also zeroes the segment's padding. */
 int cgx_quantize(void *x, int dtype, int64_t n, int bits, int64_t bucket_size,

@@ -217,7 +217,7 @@ CGX_INLINE v8i CGX_FN(encode8)(v8f v, v8f lo, v8f inv, v8f levels, v8f r) {
 /* One bucket: x[s, s + len) -> meta (8 bytes) + codes. len % 8 != 0 only for
  * the last bucket of a segment. */
 CGX_INLINE void CGX_FN(quantize_bucket)(void *x, int64_t s, int64_t len, uint8_t *meta,
-                                        uint8_t *codes, uint32_t key, uint32_t idx0,
+                                        uint8_t *codes, uint32_t key, uint32_t off,
                                         const int bits, const int dt, const int stochastic,
                                         const int write_back, const int64_t prefetch_bytes) {
     const int64_t full = len & ~(int64_t)7;
@@ -294,13 +294,23 @@ CGX_INLINE void CGX_FN(quantize_bucket)(void *x, int64_t s, int64_t len, uint8_t
     /* pass 2 (the bucket is now in L1/L2): codes, and decoded values for write_back.
      * It also prefetches the next bucket (`ahead` bytes further), so that pass 1 of
      * the next bucket reads from cache and pass 2's arithmetic overlaps memory. */
-    v8u hash = noise_start(key, idx0);
+    /* noise: the counters of the 16-block holding position s, and its hash */
+    v8u ctr = stochastic ? noise_start(key, off, s) : splat_u(0), hash = ctr;
+    int high = (int)((s >> 3) & 1);
+    if (stochastic && high) hash = noise_hash(ctr); /* a bucket starting mid-block */
+    const v8u next_block = splat_u(8u * 0x9E3779B1u);
     const int esize = dt == CGX_DT_FLOAT32 ? 4 : 2;
     const char *ahead = (const char *)x + (s + len) * esize;
     for (int64_t i = 0; i < full; i += 8) {
         if ((i & 15) == 0 && i * esize < prefetch_bytes)
             __builtin_prefetch(ahead + i * esize, 0, 3);
-        const v8f r = stochastic ? noise_next(&hash) : splat(0.5f);
+        v8f r = splat(0.5f);
+        if (stochastic) {
+            if (!high) hash = noise_hash(ctr);
+            r = noise_half(hash, high);
+            if (high) ctr += next_block;
+            high ^= 1;
+        }
         v8i q = CGX_FN(encode8)(CGX_FN(load8)(x, s + i, dt), vlo1, vinv, levels, r);
         CGX_FN(pack8)(q, codes + i / 8 * bits, bits, i + 8 < full || rest);
         if (write_back)
@@ -308,7 +318,11 @@ CGX_INLINE void CGX_FN(quantize_bucket)(void *x, int64_t s, int64_t len, uint8_t
     }
     if (rest) {
         v8f v = CGX_FN(load_partial)(x, s + full, rest, dt, lo);
-        const v8f r = stochastic ? noise_next(&hash) : splat(0.5f);
+        v8f r = splat(0.5f);
+        if (stochastic) {
+            if (!high) hash = noise_hash(ctr);
+            r = noise_half(hash, high);
+        }
         v8i q = CGX_FN(encode8)(v, vlo1, vinv, levels, r);
         for (int j = rest; j < 8; j++) q[j] = 0; /* padding codes are zero */
         CGX_FN(pack8)(q, codes + full / 8 * bits, bits, 0);
@@ -357,7 +371,7 @@ CGX_INLINE void CGX_FN(quantize_range)(void *x, int64_t n, int64_t bucket_size, 
         const int64_t next = n - (s + len) < bucket_size ? n - (s + len) : bucket_size;
         const int64_t pf = b + 1 < b1 ? next * (dt == CGX_DT_FLOAT32 ? 4 : 2) : 0;
         CGX_FN(quantize_bucket)(x, s, len, payload + 8 * b, codes + s / 8 * bits, key,
-                                index_offset + (uint32_t)s, bits, dt, stochastic, write_back, pf);
+                                index_offset, bits, dt, stochastic, write_back, pf);
     }
 }
 
