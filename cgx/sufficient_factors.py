@@ -113,26 +113,35 @@ def exchange_layer(cap: Capture, weight: torch.Tensor, transport, passes: int, a
     # One K x (M + N) block per rank, [dy | x], padded to the largest K with zero rows.
     send = torch.zeros(k, m + n, dtype=torch.float32, device=dev)
     at = 0
-    for g, x in zip(cap.grads, cap.inputs):  # one pair per backward pass
-        send[at:at + g.shape[0], :m].copy_(g)
-        send[at:at + x.shape[0], m:].copy_(x)
-        at += x.shape[0]
+    for out_grad, inp in zip(cap.grads, cap.inputs):  # one pair per backward pass
+        send[at:at + out_grad.shape[0], :m].copy_(out_grad)
+        send[at:at + inp.shape[0], m:].copy_(inp)
+        at += inp.shape[0]
     recv = torch.empty(P * k, m + n, dtype=torch.float32, device=dev)
     transport.allgather(recv.view(-1).view(torch.uint8), send.view(-1).view(torch.uint8))
     if any(c != k for c in counts):  # drop the padding rows
         recv = torch.cat([recv[r * k: r * k + c] for r, c in enumerate(counts)])
-    # The same arithmetic on the same gathered rows: bit-identical on every rank.
-    grad = recv[:, :m].t().mm(recv[:, m:])
+    # The same arithmetic on the same gathered rows: bit-identical on every rank. The
+    # 1/P goes on the K x M factor, and the product is written straight into the
+    # gradient: an M x N temporary would cost three more passes over the largest
+    # tensor of the model (allocate, scale, copy).
+    dy, x = recv[:, :m], recv[:, m:]
     if average:
-        grad.div_(P)
+        dy = dy / P
     if record is not None:
         from cgx.collectives.reducer import ReduceStats
         sent = (P - 1) * (4 * k * (m + n) + 16)  # this rank's padded block to P-1 ranks
         record(ReduceStats(calls=1, numel=m * n, input_bytes=4 * m * n, wire_bytes=sent,
                            seconds={"_fp32_wire": float(2 * (P - 1) * 4 * m * n // P)}))
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    weight.grad.copy_(grad.to(device=weight.grad.device, dtype=weight.grad.dtype))
+    g = weight.grad
+    if g is not None and g.dtype == torch.float32 and g.device == dev and g.is_contiguous():
+        torch.mm(dy.t(), x, out=g)
+    else:
+        out = dy.t().mm(x).to(device=weight.device, dtype=weight.dtype)
+        if g is None:
+            weight.grad = out
+        else:
+            g.copy_(out)
     return True
 
 

@@ -165,16 +165,16 @@ def _overlap(rank, world):
     hvd.init()
     torch.manual_seed(0)
     # A slow backward below the linear layer: its factors can travel meanwhile.
-    convs = [torch.nn.Conv2d(16, 16, 3, padding=1) for _ in range(12)]
+    convs = [torch.nn.Conv2d(64, 64, 3, padding=1) for _ in range(16)]
     body = torch.nn.Sequential(*[m for c in convs for m in (c, torch.nn.Tanh())])
-    model = torch.nn.Sequential(body, torch.nn.Flatten(), torch.nn.Linear(16 * 32 * 32, 512))
+    model = torch.nn.Sequential(body, torch.nn.Flatten(), torch.nn.Linear(64 * 16 * 16, 512))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters(),
                                    compression=hvd.Compression.exact, sufficient_factors=model)
     out = []
     for step in range(3):
         opt.zero_grad()
-        model(torch.randn(8, 16, 32, 32)).square().mean().backward()
+        model(torch.randn(16, 64, 16, 16)).square().mean().backward()
         backward_done = time.perf_counter()
         opt.step()
         out.append((opt.timing["factors"][0], backward_done, dict(opt.sfb_used)))
