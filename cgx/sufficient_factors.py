@@ -11,6 +11,9 @@ K rows, the weight gradient ``G = dy^T x``: a sum of K outer products. When
 exact averaged gradient ``(1/P) sum_r dy_r^T x_r`` (the same arithmetic on the
 same gathered data: bit-identical on every rank).
 
+The layer's bias, when it trains, travels with the weight: its gradient is the sum
+of the output gradients' rows, rebuilt from the same gathered factors.
+
 The torch adapter records the factors (``cgx.torch.factor_capture``); this module
 decides and exchanges. The factors are a faithful record only if each backward pass saw exactly one
 forward call of the layer; otherwise (a layer used twice, a forward without a
@@ -65,7 +68,8 @@ def worth_it(rows: int, ranks: int, out_features: int, in_features: int) -> bool
 
 
 def exchange_layer(cap: Capture, weight: torch.Tensor, transport, passes: int, average: bool,
-                   plain, record=None, choose=None, shadow: bool = False) -> bool:
+                   plain, record=None, choose=None, shadow: bool = False,
+                   bias: Optional[torch.Tensor] = None) -> bool:
     """Engine thread, every rank at the same point: rebuild or reduce one layer's weight grad.
 
     Launched as soon as the weight's gradient is ready, so the exchange overlaps the rest
@@ -78,10 +82,13 @@ def exchange_layer(cap: Capture, weight: torch.Tensor, transport, passes: int, a
     Args:
         cap: the layer's :class:`Capture`.
         weight: its weight parameter (``weight.grad`` is overwritten with the result).
+        bias: its bias, when it travels with the weight: rebuilt as the averaged sum of
+            the gathered output gradients (``bias.grad`` overwritten); ``plain()`` then
+            reduces it with the weight when the factors do not go.
         transport: the world transport.
         passes: backward passes per step (the optimizer's ``backward_passes_per_step``).
         average: divide by the number of ranks.
-        plain: ``plain()`` reduces this weight's gradient the ordinary way (fallback).
+        plain: ``plain()`` reduces this weight's (and bias's) gradient the ordinary way.
         record: ``record(ReduceStats)`` adds the bytes this rank sent to cgx's statistics.
         choose: ``choose(name, rows, ranks, out_features, in_features)`` -> send this layer
             as factors? (default: Poseidon's rule, :func:`worth_it`); it must decide the same
@@ -131,18 +138,29 @@ def exchange_layer(cap: Capture, weight: torch.Tensor, transport, passes: int, a
     if record is not None:
         from cgx.collectives.reducer import ReduceStats
         sent = (P - 1) * (4 * k * (m + n) + 16)  # this rank's padded block to P-1 ranks
-        record(ReduceStats(calls=1, numel=m * n, input_bytes=4 * m * n, wire_bytes=sent,
-                           seconds={"_fp32_wire": float(2 * (P - 1) * 4 * m * n // P)}))
-    g = weight.grad
-    if g is not None and g.dtype == torch.float32 and g.device == dev and g.is_contiguous():
-        torch.mm(dy.t(), x, out=g)
-    else:
-        out = dy.t().mm(x).to(device=weight.device, dtype=weight.dtype)
-        if g is None:
-            weight.grad = out
-        else:
-            g.copy_(out)
+        numel = m * n + (m if bias is not None else 0)
+        record(ReduceStats(calls=1, numel=numel, input_bytes=4 * numel, wire_bytes=sent,
+                           seconds={"_fp32_wire": float(2 * (P - 1) * 4 * numel // P)}))
+    _write_grad(weight, lambda out: torch.mm(dy.t(), x, out=out), dev)
+    if bias is not None:  # d loss / d bias = the sum of the output gradients' rows
+        _write_grad(bias, lambda out: torch.sum(dy, 0, out=out), dev)
     return True
+
+
+def _write_grad(param: torch.Tensor, compute, dev) -> None:
+    """``param.grad = compute(out)``, computed into the existing float32 gradient when
+    there is one on ``dev`` (no temporary), else into a new tensor and converted."""
+    g = param.grad
+    if g is not None and g.dtype == torch.float32 and g.device == dev and g.is_contiguous():
+        compute(g)
+        return
+    shape = param.shape
+    out = compute(torch.empty(shape, dtype=torch.float32, device=dev))
+    out = out.to(device=param.device, dtype=param.dtype)
+    if g is None:
+        param.grad = out
+    else:
+        g.copy_(out)
 
 
 def factor_bytes(rows: int, ranks: int, out_features: int, in_features: int) -> int:

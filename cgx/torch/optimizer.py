@@ -94,8 +94,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sufficient_factors: the model, to exchange the weight gradients of its
             ``nn.Linear`` layers as sufficient factors (Poseidon) whenever that moves
             fewer bytes: ``K x P x (M + N) < M x N`` for K rows per rank, P ranks and
-            an M x N weight. The rebuilt average is exact; layers where the factors
-            are not a faithful record (used twice in a forward) take the plain path.
+            an M x N weight. The rebuilt average is exact (the bias's too, from the
+            output gradients); each layer's exchange starts as soon as its gradient
+            is ready, beside the rest of backward. Layers where the factors are not a
+            faithful record (used twice in a forward, unused on a rank) take the plain
+            path.
 
     Example::
 
@@ -228,6 +231,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._capture = FactorCapture(self._sfb_model, {id(p) for p in params})
             self._sfb_index = [i for i, p in enumerate(params) if id(p) in
                                self._capture.captures]
+        # A factor layer's trainable bias travels with its weight: rebuilt from the
+        # gathered output gradients when the factors go, reduced beside it otherwise.
+        self._sfb_bias: dict = {}  # weight index -> bias index
+        for i in self._sfb_index:
+            bias = self._capture.captures[id(params[i])].module.bias
+            if bias is not None and id(bias) in self._index:
+                self._sfb_bias[i] = self._index[id(bias)]
         self._sfb_set = frozenset(self._sfb_index)
         self.sfb_used: dict = {}  # last step: weight name -> travelled as factors
         self._buckets = self._make_buckets(params, cfg.fusion_buffer_bytes)
@@ -321,14 +331,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Fusion buckets in launch order; a sufficient-factor weight is a bucket of its
         own, placed where backward produces it, so its exchange starts beside backward."""
         sfb = set(getattr(self, "_sfb_index", ()))
-        alone = [[i] for i in sorted(sfb, reverse=True)]
+        biases = getattr(self, "_sfb_bias", {})
+        alone = [[i] + ([biases[i]] if i in biases else []) for i in sorted(sfb, reverse=True)]
+        own = sfb | set(biases.values())  # travel in the factor layers' own buckets
         if self._user_groups is not None:
             order = [[self._index[id(p)] for p in g if id(p) in self._index and
-                      self._index[id(p)] not in sfb] for g in self._user_groups]
+                      self._index[id(p)] not in own] for g in self._user_groups]
             grouped = {i for g in order for i in g}
-            rest = [i for i in range(len(params)) if i not in grouped and i not in sfb]
+            rest = [i for i in range(len(params)) if i not in grouped and i not in own]
             return [g for g in order if g] + ([rest] if rest else []) + alone
-        rev = [i for i in range(len(params))[::-1] if i not in sfb]
+        rev = [i for i in range(len(params))[::-1] if i not in own]
         if self._num_groups:
             n = min(self._num_groups, len(rev)) or 1
             return [rev[k * len(rev) // n:(k + 1) * len(rev) // n] for k in range(n)] + alone
@@ -347,8 +359,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for i in range(len(params) - 1, -1, -1):
             if i in sfb:
                 flush()
-                buckets.append([i])
-            else:
+                buckets.append([i] + ([biases[i]] if i in biases else []))
+            elif i not in own:
                 run.append(i)
         flush()
         return buckets
@@ -410,7 +422,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._handles.append(session.submit(_status_exchange, self._registry_id,
                                                     self._signature, self._group,
                                                     label="step-status"))
-        if len(self._buckets[b]) == 1 and self._buckets[b][0] in self._sfb_set:
+        if self._buckets[b][0] in self._sfb_set:
             i = self._buckets[b][0]
             event = None
             if not zeros and self._params[i].is_cuda:
@@ -479,29 +491,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._sparse_out[i] = out
 
     def _exchange_factors(self, i: int, shadow: bool, event) -> None:
-        """Engine thread: one linear layer's weight gradient, as factors or plainly."""
+        """Engine thread: one linear layer's weight (and bias) gradient, as factors or
+        plainly."""
         from cgx.sufficient_factors import exchange_layer
+        self.timing.setdefault("factors", []).append(time.perf_counter())
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
-        self.timing.setdefault("factors", []).append(time.perf_counter())
-        w = self._params[i]
-        cap = self._capture.captures[id(w)]
-        zero = torch.zeros_like(w) if shadow or w.grad is None else None
-        if zero is not None and not shadow:
-            w.grad = zero  # no gradient on this rank: it contributes zeros
+        idx = [i] + ([self._sfb_bias[i]] if i in self._sfb_bias else [])
+        params = [self._params[j] for j in idx]
+        if shadow:
+            grads = [torch.zeros_like(p) for p in params]
+        else:
+            for p in params:
+                if p.grad is None:  # no gradient on this rank: it contributes zeros
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in params]
 
         def plain() -> None:
-            g = zero if zero is not None else w.grad
-            out, = self._plan.reduce([g], name=f"opt{self._registry_id}.factors.plain",
-                                     step=self._step_count, indices=[i], shadow=shadow)
-            if out is not g and not shadow:
-                g.copy_(out.view_as(g))
+            outs = self._plan.reduce(grads, name=f"opt{self._registry_id}.factors.plain",
+                                     step=self._step_count, indices=idx, shadow=shadow)
+            for g, o in zip(grads, outs):
+                if o is not g and not shadow:
+                    g.copy_(o.view_as(g))
 
         red = reducer_of(self._group)
         planned = self._plan.planned  # the planned exchange weighs factors against the rest
         choose = planned.prefer_factors if planned is not None else None
-        used = exchange_layer(cap, w, red.transport, self._bpps, self._op is Average, plain,
-                              record=red.add_stats, choose=choose, shadow=shadow)
+        cap = self._capture.captures[id(params[0])]
+        used = exchange_layer(cap, params[0], red.transport, self._bpps, self._op is Average,
+                              plain, record=red.add_stats, choose=choose, shadow=shadow,
+                              bias=params[1] if len(params) > 1 else None)
         if not shadow:
             self.sfb_used[cap.name] = used
 
