@@ -140,7 +140,10 @@ def contention(local_ranks: int, threads: Optional[int] = None,
 def compressor_throughput(numel: int = 1 << 21, bits: int = 4, bucket_size: int = 1024,
                           device: str = "cpu", reps: int = 3) -> dict[str, float]:
     """Float32 bytes per second: ``compress_bps``, ``decompress_bps`` (with accumulation, as
-    the reduction runs it) and ``cast_bps`` (fp32 to fp16 and back, per direction)."""
+    the reduction runs it) and ``cast_bps`` (fp32 to fp16 and back, per direction); and
+    ``matmul_flops``, multiply-adds per second of a sufficient-factor rebuild (a
+    2048 x 2048 gradient from 16 gathered rows, written in place, as
+    ``cgx.sufficient_factors`` does)."""
     from cgx.compression.quantization import QuantSpec, dequantize, quantize
     x = torch.randn(numel, device=device)
     spec = QuantSpec(bits=bits, bucket_size=bucket_size)
@@ -162,6 +165,14 @@ def compressor_throughput(numel: int = 1 << 21, bits: int = 4, bucket_size: int 
         acc.copy_(half)
         sync()
 
+    rows, side = 16, 2048
+    dy, xs = torch.randn(rows, side, device=device), torch.randn(rows, side, device=device)
+    grad = torch.empty(side, side, device=device)
+
+    def rebuild():
+        torch.mm(dy.t(), xs, out=grad)
+        sync()
+
     n4 = 4 * numel
     if x.is_cuda:
         timed = lambda fn: _timed(fn, reps)  # noqa: E731
@@ -171,7 +182,7 @@ def compressor_throughput(numel: int = 1 << 21, bits: int = 4, bucket_size: int 
         # the model's, CostModel.contention)
         timed = lambda fn: _timed_cpu(fn, reps, clock=time.thread_time)[1]  # noqa: E731
     return {"compress_bps": n4 / timed(q), "decompress_bps": n4 / timed(dq),
-            "cast_bps": 2 * n4 / timed(cast)}
+            "cast_bps": 2 * n4 / timed(cast), "matmul_flops": rows * side * side / timed(rebuild)}
 
 
 def trace_backward(model: torch.nn.Module, step: Callable[[], torch.Tensor],

@@ -213,16 +213,16 @@ class PlannedSchedule:
                                              ranks_on_this_host)
         n = len(self.names)
         local = torch.tensor([statistics.median(r) if r else 0.0 for r in self._ready] + [
-            0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+            0.0] * 5, dtype=torch.float64)
         tp = compressor_throughput(numel=1 << 22, bits=self.settings.bits,
                                    bucket_size=self.settings.bucket_size, reps=2)
-        # MAX over ranks: the latest ready time, the slowest quantizer (as 1/throughput)
-        # and the most crowded host
+        # MAX over ranks: the latest ready time, the slowest quantizer and factor rebuild
+        # (as 1/throughput) and the most crowded host
         local[n:] = torch.tensor([1.0 / tp["compress_bps"], 1.0 / tp["decompress_bps"],
                                   1.0 / tp["cast_bps"],
                                   contention(ranks_on_this_host(transport),
-                                             0 if transport.device.type == "cuda" else None)],
-                                 dtype=torch.float64)
+                                             0 if transport.device.type == "cuda" else None),
+                                  1.0 / tp["matmul_flops"]], dtype=torch.float64)
         agreed = local.to(transport.device)
         if transport.size > 1:
             transport.allreduce(agreed, ReduceOp.MAX)
@@ -231,11 +231,12 @@ class PlannedSchedule:
         if self.settings.assume_gbit is not None:
             cost = CostModel.uniform(transport.size, self.settings.assume_gbit,
                                      compress_bps=1 / inv[0], decompress_bps=1 / inv[1],
-                                     cast_bps=1 / inv[2], contention=inv[3])
+                                     cast_bps=1 / inv[2], contention=inv[3],
+                                     matmul_flops=1 / inv[4])
         else:
             cost = CostModel(transport.size, link_model(transport), compress_bps=1 / inv[0],
                              decompress_bps=1 / inv[1], cast_bps=1 / inv[2],
-                             contention=inv[3])
+                             matmul_flops=1 / inv[4], contention=inv[3])
         self.cost = cost
         tensors = [TensorProfile(name, math.prod(shape), t)
                    for name, shape, t in zip(self.names, self.shapes, ready)]

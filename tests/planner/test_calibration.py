@@ -55,7 +55,7 @@ def test_trace_backward_orders_gradients_as_backward_produces_them():
 
 def test_compressor_throughput_is_measured():
     tp = compressor_throughput(numel=1 << 16, reps=2)
-    assert set(tp) == {"compress_bps", "decompress_bps", "cast_bps"}
+    assert set(tp) == {"compress_bps", "decompress_bps", "cast_bps", "matmul_flops"}
     assert all(v > 1e6 for v in tp.values()), tp
 
 
