@@ -293,9 +293,7 @@ class GradientPlan:
             self._reduce_auto(red, work, idx, step, shadow, name)
             return [w if w.device == g.device else w.to(g.device) for w, g in zip(work, grads)]
         if self.mode is GradMode.PLANNED:
-            if step != self._last_step:  # the first reduction of a step, on every rank
-                self._last_step = step
-                self.planned.begin_step(step, red.transport, red.config.verbose, red.timeline)
+            self.begin_step(step, red)
             planned = self.planned.specs()
             specs = [planned[i] for i in idx]
         if self.mode in (GradMode.EXACT, GradMode.QUANTIZE, GradMode.PLANNED):
@@ -325,6 +323,14 @@ class GradientPlan:
                 self._reduce_family(red, self.compression, [work[k] for k in packed],
                                     [names[k] for k in packed])
         return [w if w.device == g.device else w.to(g.device) for w, g in zip(work, grads)]
+
+    def begin_step(self, step: int, red) -> None:
+        """The planned exchange's start of ``step``: plan when due, check drift. Called at
+        the first exchange of a step on every rank (engine thread): a reduction here, or
+        a sufficient-factor layer's exchange (which may come first, or alone)."""
+        if self.mode is GradMode.PLANNED and step != self._last_step:
+            self._last_step = step
+            self.planned.begin_step(step, red.transport, red.config.verbose, red.timeline)
 
     def _reduce_quantized(self, red, work: list, names: list, specs: list, step: int,
                           shadow: bool, name: str) -> None:

@@ -91,6 +91,10 @@ class PlannedSchedule:
         self._measured: list[float] = []  # steps measured since the last check
         self._ratio = 1.0  # measured/predicted the checks take as normal
         self._calibrate_ratio = False  # the next check sets _ratio (after a drift re-plan)
+        # Sufficient-factor layers (``sufficient_factors=``): the rows (K) each last
+        # offered, agreed by every rank, and what the plan chose for them, by index.
+        self._factor_rows: dict[int, int] = {}
+        self._factors_planned: dict[int, tuple[int, bool]] = {}  # index -> (rows, factors?)
 
     # -- main thread: backward hooks ---------------------------------------------------
     def note_ready(self, index: int, step: int) -> None:
@@ -164,20 +168,27 @@ class PlannedSchedule:
                        in_features: int) -> bool:
         """Send a linear layer's weight gradient as sufficient factors (``sufficient_factors=``)?
 
-        Before the first plan: Poseidon's byte rule. After it: when the factors' allgather
-        and rebuild take less time, in the plan's cost model, than the layer's other
-        options at this plan's level (exact, and quantized where the rules allow) - so a
-        4-bit exchange that beats the factors wins, which the byte rule (against float32)
-        cannot see. Either way the layer travels alone, in its own bucket, as soon as
-        its gradient is ready, so the options are compared standing alone. The same on
-        every rank: the model is agreed.
+        Called by every rank with the agreed rows, before each exchange of the layer.
+        When the plan weighed this layer's factors (the rows it saw offered), the plan's
+        choice: the factors are one option among the layer's others in the simulated
+        step, overlap with backward and the exchange's CPU work included. Otherwise (before
+        the first plan, or the rows changed since): before any plan, Poseidon's byte rule;
+        after one, the factors' allgather and rebuild against the layer's other options
+        standing alone in the plan's cost model - so a 4-bit exchange that beats the
+        factors wins, which the byte rule (against float32) cannot see. The same on every
+        rank: the inputs are agreed.
         """
         from cgx.planner.costs import OptionMaker
         from cgx.planner.simulator import group_cost
         from cgx.sufficient_factors import worth_it
+        i = self.names.index(name) if name in self.names else None
+        if i is not None:
+            self._factor_rows[i] = int(rows)
+            planned = self._factors_planned.get(i)
+            if planned is not None and planned[0] == rows:
+                return planned[1]
         if self.cost is None:
             return worth_it(rows, ranks, out_features, in_features)
-        i = self.names.index(name) if name in self.names else None
         fams = ["exact", "sfb"]
         if i is None or self.eligible[i] is not None:
             fams.append(self.family)
@@ -238,8 +249,11 @@ class PlannedSchedule:
                              decompress_bps=1 / inv[1], cast_bps=1 / inv[2],
                              matmul_flops=1 / inv[4], contention=inv[3])
         self.cost = cost
-        tensors = [TensorProfile(name, math.prod(shape), t)
-                   for name, shape, t in zip(self.names, self.shapes, ready)]
+        # A factor layer (its rows seen) has sufficient factors among its options.
+        rows = self._factor_rows
+        tensors = [TensorProfile(name, math.prod(shape), t, *(
+                       (tuple(shape), rows[i]) if i in rows and len(shape) == 2 else ()))
+                   for i, (name, shape, t) in enumerate(zip(self.names, self.shapes, ready))]
         backward = max(ready) if ready else 0.0
         if cost.contention > 0 and backward > 0:
             # The ready times were traced with the exchange then in use running beside
@@ -251,11 +265,18 @@ class PlannedSchedule:
             scale = max(0.5, 1.0 - busy / backward)
             tensors = [dataclasses.replace(t, ready_s=t.ready_s * scale) for t in tensors]
             backward *= scale
+        families = ("exact", self.family) + (("sfb",) if rows else ())
         result = plan(tensors, cost, backward, fusion_mb=(self.fusion_mb,),
-                      bits=(self.settings.bits,), families=("exact", self.family),
+                      bits=(self.settings.bits,), families=families,
                       exact_only=[e is None for e in self.eligible])
+        # A layer planned as factors is still quantized (where the rules allow) on a step
+        # whose factors are not a faithful record.
         self.chosen = [e is not None and opt.name != "exact"
                        for e, opt in zip(self.eligible, result.chosen)]
+        # (A layer the rules keep exact had only that option here: the standalone
+        # comparison decides its factors.)
+        self._factors_planned = {i: (rows[i], result.chosen[i].name == "sfb") for i in rows
+                                 if self.eligible[i] is not None}
         self.plan = result
         _mark(timeline, "plan", {"step": step, "predicted_ms": 1e3 * result.step_s,
                             "choices": {t.name: o.name

@@ -515,6 +515,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     g.copy_(o.view_as(g))
 
         red = reducer_of(self._group)
+        self._plan.begin_step(self._step_count, red)  # this may be the step's first exchange
         planned = self._plan.planned  # the planned exchange weighs factors against the rest
         choose = planned.prefer_factors if planned is not None else None
         cap = self._capture.captures[id(params[0])]
@@ -523,6 +524,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               bias=params[1] if len(params) > 1 else None)
         if not shadow:
             self.sfb_used[cap.name] = used
+            if planned is not None:
+                planned.note_reduced(self._step_count)
 
     # -- the public optimizer API -------------------------------------------------------
 

@@ -178,7 +178,7 @@ def test_the_plan_weighs_sufficient_factors_against_its_compressed_option():
     assert again.cost == sched.cost
 
 
-def _sfb_planned(rank, world):
+def _sfb_planned(rank, world, rows=64):
     import cgx.torch as hvd
     hvd.init()
     torch.manual_seed(0)
@@ -191,12 +191,14 @@ def _sfb_planned(rank, world):
     g = torch.Generator().manual_seed(rank)
     used = []
     for step in range(4):
-        x = torch.randn(64, 64, generator=g)
+        x = torch.randn(rows, 64, generator=g)
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
         used.append(dict(opt.sfb_used))
-    return {"used": used, "params": [p.detach() for p in model.parameters()]}
+    chosen = {t.name: o.name for t, o in zip(opt.exchange_plan().tensors,
+                                             opt.exchange_plan().chosen)}
+    return {"used": used, "params": [p.detach() for p in model.parameters()], "plan": chosen}
 
 
 @pytest.mark.multiproc
@@ -210,6 +212,19 @@ def test_planned_mode_chooses_sufficient_factors_per_layer():
     # The 512x64 layer never qualifies (64 x 2 x 576 > 512 x 64).
     assert a["used"][0] == {"0.weight": False, "2.weight": True}
     assert a["used"][-1] == {"0.weight": False, "2.weight": False}
+    assert a["plan"]["2.weight"] != "sfb" and a["plan"] == b["plan"]
+
+
+@pytest.mark.multiproc
+def test_the_plan_itself_offers_sufficient_factors():
+    """With 4 rows the factors of the 512x512 layer are 1/64 of its gradient: the plan's
+    simulated step takes them (shown in its table), and the exchange follows the plan."""
+    a, b = run_gloo(_sfb_planned, 2, 4)
+    assert a["plan"] == b["plan"]
+    assert a["plan"]["2.weight"] == "sfb"
+    assert a["used"][-1] == {"0.weight": a["plan"]["0.weight"] == "sfb", "2.weight": True}
+    for p, q in zip(a["params"], b["params"]):
+        assert torch.equal(p, q)
 
 
 class _TwoRanksHere:
