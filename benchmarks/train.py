@@ -149,7 +149,7 @@ def write_outputs(records: list[dict[str, Any]], args, argv: list[str]) -> str:
         lines += [*table, "", f"![{title}]({os.path.basename(png)})", ""]
         plans = [r for r in recs if r.get("plan")]
         for r in plans[:1]:
-            lines += [f"Last `auto` plan ({r['method']}, rank 0):", "", "```", r["plan"], "```", ""]
+            lines += [f"Last plan ({r['method']}, rank 0):", "", "```", r["plan"], "```", ""]
     study = [r for r in records if r.get("kind") == "study" or
              (r.get("rate") == "none" and r.get("topology") == "2")]
     if any(r.get("kind") == "study" for r in records):
