@@ -35,14 +35,14 @@ def _batch(step, rank, k=4):
     return torch.randn(k, 64, generator=g)
 
 
-def _sfb(rank, world, twice, bpps, use):
+def _sfb(rank, world, twice, bpps, use, groups=0):
     import cgx.torch as hvd
     hvd.init()
     model = Net(twice)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(),
                                    compression=hvd.Compression.exact,
-                                   backward_passes_per_step=bpps,
+                                   backward_passes_per_step=bpps, num_groups=groups,
                                    sufficient_factors=model if use else None)
     grads, used = [], []
     for step in range(3):
@@ -59,11 +59,12 @@ def _sfb(rank, world, twice, bpps, use):
     return {"grads": grads, "used": used, "params": [p.detach() for p in model.parameters()]}
 
 
-@pytest.mark.parametrize("world,bpps,twice", [(2, 1, False), (3, 1, False), (2, 2, False),
-                                              (2, 1, True)])
-def test_rebuilt_gradient_equals_the_averaged_gradient(world, bpps, twice):
-    plain = run_gloo(_sfb, world, twice, bpps, False)
-    sfb = run_gloo(_sfb, world, twice, bpps, True)
+@pytest.mark.parametrize("world,bpps,twice,groups", [(2, 1, False, 0), (3, 1, False, 0),
+                                                     (2, 2, False, 0), (2, 1, True, 0),
+                                                     (2, 1, False, 2)])
+def test_rebuilt_gradient_equals_the_averaged_gradient(world, bpps, twice, groups):
+    plain = run_gloo(_sfb, world, twice, bpps, False, groups)
+    sfb = run_gloo(_sfb, world, twice, bpps, True, groups)
     for r in range(world):
         for gs, gp in zip(sfb[r]["grads"], plain[r]["grads"]):
             for a, b in zip(gs, gp):

@@ -343,7 +343,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rev = [i for i in range(len(params))[::-1] if i not in own]
         if self._num_groups:
             n = min(self._num_groups, len(rev)) or 1
-            return [rev[k * len(rev) // n:(k + 1) * len(rev) // n] for k in range(n)] + alone
+            groups = [rev[k * len(rev) // n:(k + 1) * len(rev) // n] for k in range(n)]
+            # Each factor bucket goes before the first group holding a parameter that
+            # backward reaches after it, so it does not wait for those.
+            for one in alone:
+                at = next((k for k, g in enumerate(groups) if g and min(g) < one[0]),
+                          len(groups))
+                groups.insert(at, one)
+            return [g for g in groups if g]
         # Ready order, cut at each factor weight: the runs between them are fused as usual.
         buckets: list[list[int]] = []
         run: list[int] = []
