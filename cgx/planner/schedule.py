@@ -291,7 +291,9 @@ class PlannedSchedule:
     # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "names": list(self.names), "chosen": self.chosen,
-                "cost": None if self.cost is None else self.cost.to_dict()}
+                "cost": None if self.cost is None else self.cost.to_dict(),
+                "factors": {self.names[i]: [k, f] for i, (k, f) in
+                            self._factors_planned.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") != STATE_FORMAT:
@@ -305,3 +307,7 @@ class PlannedSchedule:
         self.chosen = None if state["chosen"] is None else list(state["chosen"])
         cost = state.get("cost")
         self.cost = None if cost is None else CostModel.from_dict(cost)
+        # the plan's sufficient-factor choices (absent from checkpoints of older versions)
+        self._factors_planned = {self.names.index(name): (int(k), bool(f))
+                                 for name, (k, f) in state.get("factors", {}).items()}
+        self._factor_rows = {i: k for i, (k, _) in self._factors_planned.items()}

@@ -198,7 +198,20 @@ def _sfb_planned(rank, world, rows=64):
         used.append(dict(opt.sfb_used))
     chosen = {t.name: o.name for t, o in zip(opt.exchange_plan().tensors,
                                              opt.exchange_plan().chosen)}
-    return {"used": used, "params": [p.detach() for p in model.parameters()], "plan": chosen}
+    # A resumed optimizer sends the same layers as factors without planning again.
+    model2 = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),
+                                 torch.nn.Linear(512, 512))
+    model2.load_state_dict(model.state_dict())
+    opt2 = hvd.DistributedOptimizer(
+        torch.optim.SGD(model2.parameters(), lr=0.01), named_parameters=model2.named_parameters(),
+        compression=hvd.Compression.planned(calibrate_steps=2, assume_gbit=1.0),
+        sufficient_factors=model2)
+    opt2.load_state_dict(opt.state_dict())
+    opt2.zero_grad()
+    model2(torch.randn(rows, 64, generator=g)).square().mean().backward()
+    opt2.step()
+    return {"used": used, "params": [p.detach() for p in model.parameters()], "plan": chosen,
+            "resumed": dict(opt2.sfb_used)}
 
 
 @pytest.mark.multiproc
@@ -213,6 +226,7 @@ def test_planned_mode_chooses_sufficient_factors_per_layer():
     assert a["used"][0] == {"0.weight": False, "2.weight": True}
     assert a["used"][-1] == {"0.weight": False, "2.weight": False}
     assert a["plan"]["2.weight"] != "sfb" and a["plan"] == b["plan"]
+    assert a["resumed"] == a["used"][-1]  # the restored plan decides, not the byte rule
 
 
 @pytest.mark.multiproc
@@ -223,6 +237,7 @@ def test_the_plan_itself_offers_sufficient_factors():
     assert a["plan"] == b["plan"]
     assert a["plan"]["2.weight"] == "sfb"
     assert a["used"][-1] == {"0.weight": a["plan"]["0.weight"] == "sfb", "2.weight": True}
+    assert a["resumed"] == a["used"][-1] == b["resumed"]
     for p, q in zip(a["params"], b["params"]):
         assert torch.equal(p, q)
 
