@@ -62,8 +62,6 @@ CGX_INLINE v8f splat(float v) {
     return (v8f)((v8u){0} + u);
 }
 
-CGX_INLINE v8u splat_u(uint32_t u) { return (v8u){0} + u; }
-
 CGX_INLINE v8f select_f(v8i mask, v8f a, v8f b) {
     return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask));
 }
@@ -73,12 +71,13 @@ CGX_INLINE v8f select_f(v8i mask, v8f a, v8f b) {
  * counter c = off + (p >> 4) * 8 + (p & 7); the group of 8 at p uses the hash's
  * low 16 bits when (p >> 3) is even, its high 16 bits when odd. The counter's
  * multiply is linear, so it is carried from block to block as a running sum
- * (mod 2^32): noise_start() once per bucket, noise_hash() per block of 16,
- * noise_half() per group of 8. */
-CGX_INLINE v8u noise_start(uint32_t key, uint32_t off, int64_t p) {
-    const v8u iota = {0, 1, 2, 3, 4, 5, 6, 7};
-    return (iota + off + (uint32_t)((p >> 4) * 8)) * 0x9E3779B1u + key;
-}
+ * (mod 2^32): noise_open() once per bucket, noise_next() per group of 8, which
+ * hashes once per block of 16. */
+typedef struct {
+    v8u ctr;  /* the current block's c * 0x9E3779B1 + key, per lane */
+    v8u hash; /* its hash, once computed */
+    int high; /* the next group takes the high 16 bits */
+} noise_stream;
 
 CGX_INLINE v8u noise_hash(v8u h) {
     h ^= h >> 16;
@@ -89,8 +88,22 @@ CGX_INLINE v8u noise_hash(v8u h) {
     return h;
 }
 
-CGX_INLINE v8f noise_half(v8u h, const int high) {
-    v8u u = high ? h >> 16 : h & 0xFFFFu; /* < 2^16: the signed conversion is exact */
+/* The stream of the groups from position p (a multiple of 8) on. */
+CGX_INLINE noise_stream noise_open(uint32_t key, uint32_t off, int64_t p) {
+    const v8u iota = {0, 1, 2, 3, 4, 5, 6, 7};
+    noise_stream ns;
+    ns.ctr = (iota + off + (uint32_t)((p >> 4) * 8)) * 0x9E3779B1u + key;
+    ns.high = (int)((p >> 3) & 1);
+    ns.hash = ns.high ? noise_hash(ns.ctr) : ns.ctr; /* p starts a block's second half */
+    return ns;
+}
+
+CGX_INLINE v8f noise_next(noise_stream *ns) {
+    if (!ns->high) ns->hash = noise_hash(ns->ctr);
+    v8u u = ns->high ? ns->hash >> 16 : ns->hash & 0xFFFFu;
+    if (ns->high) ns->ctr += 8u * 0x9E3779B1u; /* the next block's counters */
+    ns->high ^= 1;
+    /* < 2^16: the signed conversion is exact */
     return __builtin_convertvector((v8i)u, v8f) * splat(1.0f / 65536.0f);
 }
 

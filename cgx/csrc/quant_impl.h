@@ -294,23 +294,14 @@ CGX_INLINE void CGX_FN(quantize_bucket)(void *x, int64_t s, int64_t len, uint8_t
     /* pass 2 (the bucket is now in L1/L2): codes, and decoded values for write_back.
      * It also prefetches the next bucket (`ahead` bytes further), so that pass 1 of
      * the next bucket reads from cache and pass 2's arithmetic overlaps memory. */
-    /* noise: the counters of the 16-block holding position s, and its hash */
-    v8u ctr = stochastic ? noise_start(key, off, s) : splat_u(0), hash = ctr;
-    int high = (int)((s >> 3) & 1);
-    if (stochastic && high) hash = noise_hash(ctr); /* a bucket starting mid-block */
-    const v8u next_block = splat_u(8u * 0x9E3779B1u);
+    noise_stream noise = {{0}, {0}, 0};
+    if (stochastic) noise = noise_open(key, off, s);
     const int esize = dt == CGX_DT_FLOAT32 ? 4 : 2;
     const char *ahead = (const char *)x + (s + len) * esize;
     for (int64_t i = 0; i < full; i += 8) {
         if ((i & 15) == 0 && i * esize < prefetch_bytes)
             __builtin_prefetch(ahead + i * esize, 0, 3);
-        v8f r = splat(0.5f);
-        if (stochastic) {
-            if (!high) hash = noise_hash(ctr);
-            r = noise_half(hash, high);
-            if (high) ctr += next_block;
-            high ^= 1;
-        }
+        const v8f r = stochastic ? noise_next(&noise) : splat(0.5f);
         v8i q = CGX_FN(encode8)(CGX_FN(load8)(x, s + i, dt), vlo1, vinv, levels, r);
         CGX_FN(pack8)(q, codes + i / 8 * bits, bits, i + 8 < full || rest);
         if (write_back)
@@ -318,11 +309,7 @@ CGX_INLINE void CGX_FN(quantize_bucket)(void *x, int64_t s, int64_t len, uint8_t
     }
     if (rest) {
         v8f v = CGX_FN(load_partial)(x, s + full, rest, dt, lo);
-        v8f r = splat(0.5f);
-        if (stochastic) {
-            if (!high) hash = noise_hash(ctr);
-            r = noise_half(hash, high);
-        }
+        const v8f r = stochastic ? noise_next(&noise) : splat(0.5f);
         v8i q = CGX_FN(encode8)(v, vlo1, vinv, levels, r);
         for (int j = rest; j < 8; j++) q[j] = 0; /* padding codes are zero */
         CGX_FN(pack8)(q, codes + full / 8 * bits, bits, 0);
