@@ -73,6 +73,7 @@ class PlannedSchedule:
                  settings: PlannedCompression, algorithm: ReductionType = ReductionType.SRA,
                  fusion_mb: float = 64.0):
         self.names = list(names)
+        self._position = {n: i for i, n in enumerate(self.names)}
         self.shapes = [tuple(s) for s in shapes]
         self.eligible = list(specs)
         self.settings = settings
@@ -181,7 +182,7 @@ class PlannedSchedule:
         from cgx.planner.costs import OptionMaker
         from cgx.planner.simulator import group_cost
         from cgx.sufficient_factors import worth_it
-        i = self.names.index(name) if name in self.names else None
+        i = self._position.get(name)
         if i is not None:
             self._factor_rows[i] = int(rows)
             planned = self._factors_planned.get(i)
@@ -308,6 +309,6 @@ class PlannedSchedule:
         cost = state.get("cost")
         self.cost = None if cost is None else CostModel.from_dict(cost)
         # the plan's sufficient-factor choices (absent from checkpoints of older versions)
-        self._factors_planned = {self.names.index(name): (int(k), bool(f))
+        self._factors_planned = {self._position[name]: (int(k), bool(f))
                                  for name, (k, f) in state.get("factors", {}).items()}
         self._factor_rows = {i: k for i, (k, _) in self._factors_planned.items()}
