@@ -14,8 +14,10 @@ same gathered data: bit-identical on every rank).
 The layer's bias, when it trains, travels with the weight: its gradient is the sum
 of the output gradients' rows, rebuilt from the same gathered factors.
 
-The torch adapter records the factors (``cgx.torch.factor_capture``); this module
-decides and exchanges. The factors are a faithful record only if each backward pass saw exactly one
+The torch adapter records the factors with hooks (``cgx.torch.factor_capture``); the
+Keras adapter routes its ``Dense`` layers' products through a custom gradient that
+exchanges them (``cgx.tensorflow.keras.sufficient_factors``); this module decides and
+exchanges for both. The factors are a faithful record only if each backward pass saw exactly one
 forward call of the layer; otherwise (a layer used twice, a forward without a
 backward) the layer falls back to the plain reduction for that step. The
 choice is agreed by every rank with one small allgather per layer and step (K and
@@ -103,48 +105,77 @@ def exchange_layer(cap: Capture, weight: torch.Tensor, transport, passes: int, a
     m, n = weight.shape
     rows = 0 if shadow else cap.rows()
     faithful = (not shadow) and cap.faithful(passes)
-    mine = torch.tensor([rows, int(faithful)], dtype=torch.int64, device=dev)
-    every = torch.empty(2 * P, dtype=torch.int64, device=dev)
-    if P > 1:
-        transport.allgather(every.view(torch.uint8), mine.view(torch.uint8))
-    else:
-        every.copy_(mine)
-    every = every.view(P, 2).tolist()
-    counts = [r for r, _ in every]
+    counts, all_faithful = agree(transport, rows, faithful)
     k = max(counts)
-    use = all(f for _, f in every) and k > 0 and (
+    use = all_faithful and k > 0 and (
         choose(cap.name, k, P, m, n) if choose else worth_it(k, P, m, n))
     if not use:
         plain()
         return False
-    # One K x (M + N) block per rank, [dy | x], padded to the largest K with zero rows.
-    send = torch.zeros(k, m + n, dtype=torch.float32, device=dev)
-    at = 0
-    for out_grad, inp in zip(cap.grads, cap.inputs):  # one pair per backward pass
-        send[at:at + out_grad.shape[0], :m].copy_(out_grad)
-        send[at:at + inp.shape[0], m:].copy_(inp)
-        at += inp.shape[0]
-    recv = torch.empty(P * k, m + n, dtype=torch.float32, device=dev)
-    transport.allgather(recv.view(-1).view(torch.uint8), send.view(-1).view(torch.uint8))
-    if any(c != k for c in counts):  # drop the padding rows
-        recv = torch.cat([recv[r * k: r * k + c] for r, c in enumerate(counts)])
+    dy, x = gather(transport, list(zip(cap.grads, cap.inputs)), m, n, counts)
     # The same arithmetic on the same gathered rows: bit-identical on every rank. The
     # 1/P goes on the K x M factor, and the product is written straight into the
     # gradient: an M x N temporary would cost three more passes over the largest
     # tensor of the model (allocate, scale, copy).
-    dy, x = recv[:, :m], recv[:, m:]
     if average:
         dy = dy / P
     if record is not None:
-        from cgx.collectives.reducer import ReduceStats
-        sent = (P - 1) * (4 * k * (m + n) + 16)  # this rank's padded block to P-1 ranks
-        numel = m * n + (m if bias is not None else 0)
-        record(ReduceStats(calls=1, numel=numel, input_bytes=4 * numel, wire_bytes=sent,
-                           seconds={"_fp32_wire": float(2 * (P - 1) * 4 * numel // P)}))
+        record(factor_stats(P, k, m, n, bias is not None))
     _write_grad(weight, lambda out: torch.mm(dy.t(), x, out=out), dev)
     if bias is not None:  # d loss / d bias = the sum of the output gradients' rows
         _write_grad(bias, lambda out: torch.sum(dy, 0, out=out), dev)
     return True
+
+
+def agree(transport, rows: int, faithful: bool) -> tuple[list[int], bool]:
+    """Every rank's row count, and whether every rank's factors are faithful: one 16-byte
+    allgather, so that every rank takes the same decision (and issues the same
+    collectives) for the layer."""
+    if transport.size == 1:
+        return [rows], bool(faithful)
+    mine = torch.tensor([rows, int(faithful)], dtype=torch.int64, device=transport.device)
+    every = torch.empty(2 * transport.size, dtype=torch.int64, device=transport.device)
+    transport.allgather(every.view(torch.uint8), mine.view(torch.uint8))
+    pairs = every.view(transport.size, 2).tolist()
+    return [r for r, _ in pairs], all(f for _, f in pairs)
+
+
+def gather(transport, pairs, out_features: int, in_features: int,
+           counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """All ranks' factors: ``(dy, x)`` of ``sum(counts)`` rows each, in rank order.
+
+    ``pairs``: this rank's (output gradient K_i x M, input K_i x N) per backward pass;
+    ``counts``: every rank's total rows (from :func:`agree`). One allgather of a
+    ``K x (M + N)`` float32 block ``[dy | x]`` per rank, padded to the largest K with zero
+    rows (dropped here).
+    """
+    m, n, dev = out_features, in_features, transport.device
+    k = max(counts)
+    send = torch.zeros(k, m + n, dtype=torch.float32, device=dev)
+    at = 0
+    for out_grad, inp in pairs:  # one pair per backward pass
+        send[at:at + out_grad.shape[0], :m].copy_(out_grad)
+        send[at:at + inp.shape[0], m:].copy_(inp)
+        at += inp.shape[0]
+    if transport.size == 1:
+        recv = send
+    else:
+        recv = torch.empty(transport.size * k, m + n, dtype=torch.float32, device=dev)
+        transport.allgather(recv.view(-1).view(torch.uint8), send.view(-1).view(torch.uint8))
+    if any(c != k for c in counts):  # drop the padding rows
+        recv = torch.cat([recv[r * k: r * k + c] for r, c in enumerate(counts)])
+    return recv[:, :m], recv[:, m:]
+
+
+def factor_stats(ranks: int, rows: int, out_features: int, in_features: int, bias: bool):
+    """cgx's statistics for one layer sent as factors: what this rank sent (its padded
+    block to the other ranks) against what the float32 gradient would have needed."""
+    from cgx.collectives.reducer import ReduceStats
+    P, m, n = ranks, out_features, in_features
+    sent = (P - 1) * (4 * rows * (m + n) + 16)
+    numel = m * n + (m if bias else 0)
+    return ReduceStats(calls=1, numel=numel, input_bytes=4 * numel, wire_bytes=sent,
+                       seconds={"_fp32_wire": float(2 * (P - 1) * 4 * numel // P)})
 
 
 def _write_grad(param: torch.Tensor, compute, dev) -> None:
