@@ -110,9 +110,12 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     opt = getattr(model, "optimizer", None)
     if opt is None:
         return model
-    if isinstance(opt, DistributedOptimizer):
+    # Saved distributed (mixed precision: a loss-scale optimizer around one): keep it.
+    inner = opt.inner_optimizer if isinstance(opt, _keras.optimizers.LossScaleOptimizer) \
+        else opt
+    if isinstance(inner, DistributedOptimizer):
         if compression is not Compression.none:
-            opt.set_compression(compression)
+            inner.set_compression(compression)
         return model
     opt = DistributedOptimizer(opt, compression=compression)
     # Training has not run in this process yet, so the train function that
