@@ -16,7 +16,8 @@ defaults), and ``cgx-planned`` (``Compression.planned()``: each tensor exact or
 ``keras-compute`` (no communication), ``keras-cgx`` (cgx's Keras
 ``DistributedOptimizer``, 4-bit, in ``train_on_batch``: each bucket starts as its
 gradients exist) and ``keras-cgx-one-call`` (the same, all gradients in one exchange
-after backward). Reports
+after backward) and ``keras-cgx-sfb`` (4-bit, the Dense layers' gradients as sufficient
+factors, exchanged from their custom gradients during backward). Reports
 seconds per step (mean over the timed steps, slowest rank; with ``--rounds N`` every
 method runs N times in turn and the median of the N means is reported) and the bytes
 each rank sends per step, as ``<out>.json``, ``<out>.md`` and ``<out>.png``.
@@ -37,7 +38,7 @@ from cgx.console import progress
 
 METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "cgx-ddp-hook", "cgx-optimizer",
            "cgx-optimizer-sfb", "cgx-planned", "cgx-planned-sfb", "keras-compute", "keras-cgx",
-           "keras-cgx-one-call"]
+           "keras-cgx-one-call", "keras-cgx-sfb"]
 VGG11 = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
 
 
@@ -112,7 +113,8 @@ def keras_rank(method: str, steps: int, warmup: int, batch: int) -> dict[str, An
     opt = keras.optimizers.SGD(0.01, momentum=0.9)
     if method.startswith("keras-cgx"):
         hvd.init()
-        opt = hvd.DistributedOptimizer(opt)
+        opt = hvd.DistributedOptimizer(
+            opt, sufficient_factors=model if method == "keras-cgx-sfb" else None)
         if method == "keras-cgx-one-call":  # every gradient in one exchange after backward
             import cgx.tensorflow.gradients as grads
             grads.ready_order_buckets = lambda nbytes, cap: [list(range(len(nbytes)))]

@@ -155,7 +155,8 @@ class GradientExchange:
 
     @tf.autograph.experimental.do_not_convert
     def __call__(self, grads: Sequence, variables: Sequence, names: Optional[Sequence] = None,
-                 step=None, local=frozenset(), scale_local: bool = True) -> list:
+                 step=None, local=frozenset(), scale_local: bool = True,
+                 reduced=frozenset()) -> list:
         """The reduced ``grads`` (None stays None), eagerly or as graph ops.
 
         Args:
@@ -166,6 +167,8 @@ class GradientExchange:
                 optimizer's ``iterations``, so that it survives checkpoints).
             local: ids of rank-local variables: their gradients are not reduced, only
                 divided by the number of ranks if ``scale_local`` (Horovod's rule).
+            reduced: ids of variables whose gradients are averaged already (the
+                sufficient-factor exchange ran in backward): passed through as they are.
         """
         grads = list(grads)
         if len(grads) != len(variables):
@@ -178,10 +181,10 @@ class GradientExchange:
                              "this process. Drop the strategy and start one process per device")
         if names is None:
             names = [variable_name(v) for v in variables]
-        if local:
-            mine = [i for i, v in enumerate(variables) if id(v) in local]
+        if local or reduced:
+            mine = [i for i, v in enumerate(variables) if id(v) in local or id(v) in reduced]
             if mine:
-                rest = [i for i in range(len(grads)) if id(variables[i]) not in local]
+                rest = sorted(set(range(len(grads))) - set(mine))
                 out = [None] * len(grads)
                 reduced = self([grads[i] for i in rest], [variables[i] for i in rest],
                                [names[i] for i in rest], step)
@@ -190,7 +193,8 @@ class GradientExchange:
                 size = group_size(self.group)
                 for i in mine:
                     g = grads[i]
-                    if g is not None and scale_local and size > 1:
+                    if g is not None and scale_local and size > 1 and \
+                            id(variables[i]) in local:
                         g = tf.IndexedSlices(g.values / size, g.indices, g.dense_shape) \
                             if isinstance(g, tf.IndexedSlices) else g / size
                     out[i] = g

@@ -63,6 +63,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         scale_local_gradients: divide the gradients of variables registered with
             :meth:`register_local_var` by the number of ranks (Horovod's default).
         rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
+        sufficient_factors: the model, to exchange the gradients of its ``Dense`` layers
+            as sufficient factors (Poseidon) whenever that moves fewer bytes:
+            ``K x P x (M + N) < M x N`` for K rows per rank, P ranks and an N x M kernel.
+            Each layer's product gets a custom gradient that all-gathers every rank's
+            inputs and output gradients during backward and rebuilds the exact averaged
+            kernel and bias gradients; otherwise it reduces the layer with
+            ``compression`` (a fixed one: not ``"auto"`` or ``planned()``). See
+            ``cgx.tensorflow.keras.sufficient_factors``.
 
     Example::
 
@@ -93,7 +101,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                  gradient_predivide_factor: float = 1.0, op=Average,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
                  num_groups: int = 0, groups=None, process_set=global_process_set,
-                 scale_local_gradients: bool = True, *, rules=None,
+                 scale_local_gradients: bool = True, *, rules=None, sufficient_factors=None,
                  _no_loss_scale: bool = False):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("this optimizer is already a DistributedOptimizer; wrap it once")
@@ -129,6 +137,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                                           process_set=process_set,
                                           sparse_as_dense=self._dense_sparse(),
                                           update_rule=update_rule_of(optimizer))
+        self._factors = None
+        if sufficient_factors is not None:
+            from cgx.tensorflow.keras.sufficient_factors import FactorLayers, check_compression
+            check_compression(compression)
+            self._factors = FactorLayers(sufficient_factors, compression=compression, op=op,
+                                         predivide=gradient_predivide_factor,
+                                         rules=_plain(rules),
+                                         group=resolve_process_set(process_set),
+                                         update_rule=update_rule_of(optimizer),
+                                         label=self.name)
         # Set last: attribute reads fall through to the wrapped optimizer from here on.
         self.inner_optimizer = optimizer
 
@@ -204,7 +222,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce(self, grads, variables):
         return self._exchange(grads, variables, step=self.inner_optimizer.iterations,
-                              local=self._local_vars, scale_local=self._scale_local)
+                              local=self._local_vars, scale_local=self._scale_local,
+                              reduced=self._factors.reduced_ids() if self._factors else ())
 
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient on this rank (model-parallel layers): it is not reduced,
@@ -250,9 +269,19 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         every rank at the same step, e.g. from ``callbacks.AdaptivePlanCallback``)."""
         self._exchange.request_replan(int(self.inner_optimizer.iterations.numpy()))
 
+    def sufficient_factors_used(self) -> dict:
+        """``sufficient_factors=``: Dense layer name -> whether its last exchange sent
+        factors (False: reduced plainly, the factors being larger)."""
+        return dict(self._factors.used) if self._factors is not None else {}
+
     def set_compression(self, compression) -> None:
         """Use ``compression`` from the next step on (e.g. after loading a saved model)."""
         tf_side_compressor(compression)
+        if self._factors is not None:
+            from cgx.tensorflow.keras.sufficient_factors import check_compression
+            check_compression(compression)
+            self._factors.compression = compression
+            self._factors._plans.clear()
         self._compression = compression
         self._exchange = GradientExchange(compression, self._op, self._predivide, self._rules,
                                           label=self.name, process_set=self._process_set,

@@ -1,0 +1,193 @@
+"""Sufficient factors on the Keras path: the Dense layers' averaged gradients rebuilt from
+all-gathered factors equal the true average of every rank's gradient, on 2 and 3 real
+ranks: model.fit, a compiled custom step with backward_passes_per_step=2, a frozen
+layer, a layer called twice, ranks with different batch sizes, and eagerly."""
+
+import os
+
+import numpy as np
+import pytest
+
+from spawn import run_gloo
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+pytest.importorskip("cgx.tensorflow", exc_type=ImportError)
+import tensorflow as tf  # noqa: E402
+keras = pytest.importorskip("keras")
+
+
+def _sequential():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+                             keras.layers.Dense(64, activation="relu"), keras.layers.Dense(3)])
+
+
+def _shared():
+    """A functional model calling one Dense twice, with a frozen Dense between."""
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((32,))
+    twice = keras.layers.Dense(32, activation="tanh", name="twice")
+    frozen = keras.layers.Dense(32, name="frozen")
+    frozen.trainable = False
+    h = twice(frozen(twice(inp)))
+    out = keras.layers.Dense(48, name="head")(h)
+    return keras.Model(inp, keras.layers.Dense(3, name="logits")(out))
+
+
+def _data(rank, rows, step=0):
+    g = np.random.default_rng(1000 * step + rank)
+    return g.normal(size=(rows, 32)).astype("float32"), g.integers(0, 3, rows)
+
+
+def _loss(model, x, y):
+    return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(
+        y, model(x, training=True), from_logits=True))
+
+
+def _average_grads(build, batches):
+    """The true averaged gradient: every rank's batch through a fresh copy, averaged."""
+    model = build()
+    total = None
+    for x, y in batches:
+        with tf.GradientTape() as tape:
+            loss = _loss(model, x, y)
+        g = [t.numpy() for t in tape.gradient(loss, model.trainable_variables)]
+        total = g if total is None else [a + b for a, b in zip(total, g)]
+    return [t / len(batches) for t in total]
+
+
+def _applied(before, after, lr):
+    return [(b - a) / lr for b, a in zip(before, after)]
+
+
+def _world(rank, world):
+    import cgx.tensorflow.keras as hvd
+    hvd.init()
+    out = {}
+    lr = 0.5
+
+    # 1. model.fit, 4 rows per rank: the two 64-wide layers go as factors, the 64 x 3
+    #    head plainly (4 x P x 67 > 192), exactly here.
+    model = _sequential()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr), compression=hvd.Compression.exact,
+                                   sufficient_factors=model)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    before = [v.numpy() for v in model.trainable_variables]
+    x, y = _data(rank, 4)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    out["fit"] = _applied(before, [v.numpy() for v in model.trainable_variables], lr)
+    out["fit_expected"] = _average_grads(_sequential, [_data(r, 4) for r in range(world)])
+    out["fit_used"] = opt.sufficient_factors_used()
+    out["fit_equal_across_ranks"] = [v.numpy() for v in model.trainable_variables]
+    # Every Dense gradient came averaged out of backward: the optimizer's own exchange
+    # reduced nothing again.
+    out["fit_reduced_again"] = [n for key in opt._exchange._plans for n in key[0]]
+
+    # 2. A compiled step, backward_passes_per_step=2, rank r with 3 + r rows (padding),
+    #    a layer called twice and a frozen one.
+    for eager in (False, True):
+        model = _shared()
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr),
+                                       compression=hvd.Compression.exact,
+                                       backward_passes_per_step=2, sufficient_factors=model)
+
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = _loss(model, x, y)
+            opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+        run = step if eager else tf.function(step, reduce_retracing=True)
+        before = [v.numpy() for v in model.trainable_variables]
+        for p in range(2):
+            x, y = _data(rank, 3 + rank, step=p + 1)
+            run(tf.constant(x), tf.constant(y))
+        key = "eager" if eager else "graph"
+        out[key] = _applied(before, [v.numpy() for v in model.trainable_variables], lr)
+        out[key + "_used"] = opt.sufficient_factors_used()
+        out[key + "_frozen_kernel"] = model.get_layer("frozen").kernel.numpy()
+    expected = None
+    for p in range(2):  # the sum of the two passes' averaged gradients
+        g = _average_grads(_shared, [_data(r, 3 + r, step=p + 1) for r in range(world)])
+        expected = g if expected is None else [a + b for a, b in zip(expected, g)]
+    out["bpps_expected"] = expected
+    out["frozen_kernel"] = _shared().get_layer("frozen").kernel.numpy()
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 3])
+def test_rebuilt_gradients_equal_the_average(world):
+    results = run_gloo(_world, world, timeout=300)
+    for r in results:
+        for got, want in zip(r["fit"], r["fit_expected"]):
+            np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6)
+        assert len(r["fit"]) == len(r["fit_expected"]) == 6
+        assert r["fit_reduced_again"] == []
+        for key in ("graph", "eager"):
+            assert len(r[key]) == len(r["bpps_expected"]) == 6  # twice, head, logits: 2 each
+            for got, want in zip(r[key], r["bpps_expected"]):
+                np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6)
+            np.testing.assert_array_equal(r[key + "_frozen_kernel"], r["frozen_kernel"])
+        # Poseidon's rule, decided alike on every rank: 4 x P x (32 + 64) < 32 x 64 and
+        # 4 x P x 128 < 64 x 64 go as factors; 4 x P x 67 >= 64 x 3 does not.
+        used = r["fit_used"]
+        assert sorted(v for v in used.values()) == [False, True, True], used
+        # 2 passes of 3..5 rows: "twice" (32 x 32) as factors only while
+        # K x P x 64 < 1024; the 32 x 48 head while K x P x 80 < 1536; logits never.
+        for key in ("graph", "eager"):
+            k = 3 + world - 1
+            want = {"twice": k * world * 64 < 1024, "head": k * world * 80 < 1536,
+                    "logits": False}
+            assert r[key + "_used"] == want, r[key + "_used"]
+    for a, b in zip(results[0]["fit_equal_across_ranks"], results[-1]["fit_equal_across_ranks"]):
+        np.testing.assert_array_equal(a, b)  # the same rebuilt average: identical replicas
+
+
+def test_sufficient_factors_need_a_model_and_a_fixed_compression():
+    import cgx.tensorflow.keras as hvd
+    with pytest.raises(TypeError, match="Keras model"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), sufficient_factors=[1, 2])
+    model = _sequential()
+    with pytest.raises(ValueError, match="fixed"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), sufficient_factors=model,
+                                 compression=hvd.Compression.auto())
+
+
+def _mixed(rank, world, tmp):
+    import cgx.tensorflow.keras as hvd
+    hvd.init()
+    keras.config.set_dtype_policy("mixed_float16")
+    x = np.random.default_rng(0).normal(size=(8, 5, 32)).astype("float32")  # a sequence
+    y = np.random.default_rng(1).integers(0, 3, (8, 5))
+    weights, kinds = {}, {}
+    for factors in (False, True):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5, 32)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(3, dtype="float32")])
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                       compression=hvd.Compression.exact,
+                                       sufficient_factors=model if factors else None)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        weights[factors] = model.get_weights()
+        kinds[factors] = type(model.optimizer).__name__
+    path = os.path.join(tmp, "mixed.keras")
+    model.save(path)
+    loaded = hvd.load_model(path)
+    inner = type(loaded.optimizer.inner_optimizer).__name__
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    return {"weights": weights, "kinds": kinds, "loaded": (type(loaded.optimizer).__name__,
+                                                           inner)}
+
+
+@pytest.mark.multiproc
+def test_mixed_precision_sequences_and_load_model(tmp_path):
+    (r,) = run_gloo(_mixed, 1, str(tmp_path), timeout=300)
+    assert r["kinds"] == {False: "LossScaleOptimizer", True: "LossScaleOptimizer"}
+    for a, b in zip(r["weights"][False], r["weights"][True]):  # float16 products
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
+    # A saved loss-scaled DistributedOptimizer loads as it was (it used to be wrapped again,
+    # which raised "already a DistributedOptimizer").
+    assert r["loaded"] == ("LossScaleOptimizer", "DistributedOptimizer")
