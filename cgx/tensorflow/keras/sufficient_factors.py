@@ -15,7 +15,13 @@ through.
 A layer called twice in one step exchanges the factors of each call; the tape sums the
 two averaged parts, which is the averaged gradient. Only plain ``keras.layers.Dense``
 layers are routed (not subclasses, not LoRA or quantized ones); the others, and layers
-that do not train, keep their own ``call``.
+that do not train, keep their own ``call``. The routing is installed when the optimizer
+is built, so it is part of every train step traced afterwards.
+
+Every rank issues these exchanges in the same order: each is a stateful
+``tf.py_function`` without resource inputs, which ``tf.function``'s automatic control
+dependencies run in program order (the order backward creates them), before the
+optimizer's own buckets; eagerly, they run as backward reaches them.
 """
 
 from __future__ import annotations
