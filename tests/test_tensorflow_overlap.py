@@ -84,3 +84,39 @@ def test_buckets_start_in_graph_and_match_the_eager_exchange():
     assert a["checks"] == b["checks"] and [c[0] for c in a["checks"]] == [4]
     # ready times were traced per bucket: the first bucket's gradients are ready at 0
     assert a["first_ready"][-1] == 0.0 and all(t is not None for t in a["first_ready"])
+
+
+def _reuse(rank, world):
+    import cgx.tensorflow as hvd
+    hvd.init()
+    v = tf.Variable(tf.zeros([1 << 18]))  # 1 MB: a buffer of its own
+
+    @tf.function
+    def exchange(scale):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v * scale * float(rank + 1))
+        tape = hvd.DistributedGradientTape(tape, compression=hvd.Compression.exact)
+        return tape.gradient(loss, [v])[0]
+
+    ex = lambda s: exchange(tf.constant(s))  # noqa: E731
+    ex(1.0)
+    from cgx.tensorflow.gradients import _exchanges
+    (e,) = _exchanges.values()
+    # Results dropped at once: the same torch buffer serves every step.
+    ptrs = []
+    for s in (2.0, 3.0):
+        float(ex(s)[0])
+        ptrs += [t.data_ptr() for t in e._buffers._slots.values()]
+    # Results kept: step 4's exchange must not write into the memory step 3's result uses.
+    kept = ex(4.0)
+    again = ex(5.0)
+    return {"reused": len(set(ptrs)) == 1, "kept": float(kept[0]), "again": float(again[0]),
+            "kept_all": bool(tf.reduce_all(kept == kept[0]))}
+
+
+def test_work_buffers_are_reused_only_when_nothing_holds_them():
+    for r in run_gloo(_reuse, 2):
+        assert r["reused"]
+        # gradient of sum(v * s * (rank + 1)), averaged over ranks 0 and 1: s * 1.5
+        assert r["kept"] == 4.0 * 1.5 and r["kept_all"]
+        assert r["again"] == 5.0 * 1.5

@@ -36,7 +36,7 @@ import tensorflow as tf
 from cgx import session
 from cgx.adaptive.compensation import UpdateRule
 from cgx.compression import Compression
-from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf
+from cgx.tensorflow._bridge import WorkBuffers, run_collective, to_tf
 from cgx import runtime
 from cgx.grad_plan import GradientPlan, ready_order_buckets, unique_names
 from cgx.collectives.functional import Average, Sum, group_size
@@ -115,6 +115,8 @@ class GradientExchange:
         self._inflight: dict = {}
         self._tickets = itertools.count(1)
         self._step_of: dict = {}  # plan id -> the step its current exchange reduces
+        # The gradients' torch copies, reused from step to step when TF let go of them.
+        self._buffers = WorkBuffers()
         # compression="auto": plans restored from a checkpoint, applied when the
         # GradientPlan of the same layers is created (at the first exchange).
         self.pending_plans: list = []
@@ -277,7 +279,8 @@ class GradientExchange:
                 if timeline.enabled:
                     timeline.instant("ready", row=label,
                                      args={"tensors": [plan.names[i] for i in bucket]})
-                work = [copy_to_torch(x) for x in xs[:len(bucket)]]
+                work = [self._buffers.copy((id(plan), i), x)
+                        for i, x in zip(bucket, xs[:len(bucket)])]
                 handle = session.submit(plan.reduce, work, name=f"{label}.bucket{k}", step=st,
                                         indices=bucket, label=label)
                 ticket = next(self._tickets)
