@@ -97,16 +97,19 @@ class WorkBuffers:
     def __init__(self):
         self._slots: dict = {}
 
+    def empty(self, slot, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """The slot's buffer (uninitialized), or a new one when it is still in use."""
+        buf = self._slots.get(slot)
+        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype or \
+                buf.device != torch.device(device) or _shared(buf):
+            buf = torch.empty(tuple(shape), dtype=dtype, device=device)
+            self._slots[slot] = buf
+        return buf
+
     def copy(self, slot, x: tf.Tensor) -> torch.Tensor:
         """A torch tensor holding ``x`` that the core may reduce in place."""
         src = to_torch(x)
-        buf = self._slots.get(slot)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or \
-                buf.device != src.device or _shared(buf):
-            buf = torch.empty(src.shape, dtype=src.dtype, device=src.device)
-            self._slots[slot] = buf
-        buf.copy_(src)
-        return buf
+        return self.empty(slot, src.shape, src.dtype, src.device).copy_(src)
 
     def clear(self) -> None:
         self._slots.clear()

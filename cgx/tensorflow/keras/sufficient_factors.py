@@ -39,7 +39,7 @@ from cgx.grad_plan import GradientPlan, GradMode
 from cgx.comm.base import ReduceOp
 from cgx.process_sets import reducer_of
 from cgx.sufficient_factors import agree, factor_stats, gather, worth_it
-from cgx.tensorflow._bridge import run_collective, to_tf, to_torch
+from cgx.tensorflow._bridge import WorkBuffers, run_collective, to_tf, to_torch
 
 
 def routable(layer) -> bool:
@@ -76,6 +76,7 @@ class FactorLayers:
         self.label = label
         self.used: dict[str, bool] = {}
         self._plans: dict = {}
+        self._buffers = WorkBuffers()  # per layer, the kernel gradient's memory
         self._lock = threading.Lock()
         self.layers = [layer for layer in _layers(model) if type(layer) is keras.layers.Dense]
         for layer in self.layers:
@@ -111,12 +112,19 @@ class FactorLayers:
                 dy_all = dy_all / P
             red.add_stats(factor_stats(P, k, m, n, bias))
             self.used[name] = True
-            return [torch.mm(x_all.t(), dy_all)] + ([dy_all.sum(0)] if bias else [])
+            return [torch.mm(x_all.t(), dy_all, out=self._kernel_buffer(name, n, m, tr))] + \
+                ([dy_all.sum(0)] if bias else [])
         self.used[name] = False
-        grads = [torch.mm(x.t(), dy)] + ([dy.sum(0)] if bias else [])
+        grads = [torch.mm(x.t(), dy, out=self._kernel_buffer(name, n, m, tr))] + \
+            ([dy.sum(0)] if bias else [])
         if P == 1:
             return grads
         return self._plan(name, grads).reduce(grads, name=f"{self.label}.factors.{name}")
+
+    def _kernel_buffer(self, name: str, n: int, m: int, transport) -> torch.Tensor:
+        """Where the layer's kernel gradient is written: last step's buffer once TensorFlow
+        let go of it (a new M x N tensor would pay its page faults every step)."""
+        return self._buffers.empty(name, (n, m), torch.float32, transport.device)
 
     def _plan(self, name: str, grads: list) -> GradientPlan:
         """The plain path's plan for one layer (the optimizer's compression and rules)."""
