@@ -101,30 +101,55 @@ def exchange_layer(cap: Capture, weight: torch.Tensor, transport, passes: int, a
     Returns:
         True when the gradient travelled as factors.
     """
-    P, dev = transport.size, transport.device
+    dev = transport.device
     m, n = weight.shape
-    rows = 0 if shadow else cap.rows()
-    faithful = (not shadow) and cap.faithful(passes)
-    counts, all_faithful = agree(transport, rows, faithful)
-    k = max(counts)
-    use = all_faithful and k > 0 and (
-        choose(cap.name, k, P, m, n) if choose else worth_it(k, P, m, n))
-    if not use:
+    factors = gathered(transport, list(zip(cap.grads, cap.inputs)), m, n,
+                       rows=0 if shadow else cap.rows(),
+                       faithful=(not shadow) and cap.faithful(passes), average=average,
+                       choose=(lambda k, P: choose(cap.name, k, P, m, n)) if choose else None,
+                       record=record, bias=bias is not None)
+    if factors is None:
         plain()
         return False
-    dy, x = gather(transport, list(zip(cap.grads, cap.inputs)), m, n, counts)
-    # The same arithmetic on the same gathered rows: bit-identical on every rank. The
-    # 1/P goes on the K x M factor, and the product is written straight into the
-    # gradient: an M x N temporary would cost three more passes over the largest
-    # tensor of the model (allocate, scale, copy).
-    if average:
-        dy = dy / P
-    if record is not None:
-        record(factor_stats(P, k, m, n, bias is not None))
+    dy, x = factors
+    # The product is written straight into the gradient: an M x N temporary would cost
+    # three more passes over the largest tensor of the model (allocate, scale, copy).
     _write_grad(weight, lambda out: torch.mm(dy.t(), x, out=out), dev)
     if bias is not None:  # d loss / d bias = the sum of the output gradients' rows
         _write_grad(bias, lambda out: torch.sum(dy, 0, out=out), dev)
     return True
+
+
+def gathered(transport, pairs, out_features: int, in_features: int, rows: int,
+             faithful: bool, average: bool, choose=None, record=None,
+             bias: bool = False) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Every rank, same point: agree on the layer, then all-gather its factors if they go.
+
+    Args:
+        pairs: this rank's (output gradient, input) per backward pass.
+        rows: their total rows (0: this rank offers none); ``faithful``: they are a
+            faithful record of the step.
+        average: scale the gathered output gradients by 1/P.
+        choose: ``choose(rows, ranks)`` -> send as factors? (default: :func:`worth_it`).
+        record: ``record(ReduceStats)``, called when the factors go.
+        bias: the layer's bias travels with it (for the statistics).
+
+    Returns:
+        ``(dy, x)`` of every rank's rows, in rank order, ``dy`` scaled by 1/P when
+        ``average``: the same arithmetic on the same rows gives a bit-identical rebuild on
+        every rank. None: the layer goes the plain way (a rank offers no faithful factors,
+        or they would not pay).
+    """
+    P = transport.size
+    m, n = out_features, in_features
+    counts, all_faithful = agree(transport, rows, faithful)
+    k = max(counts)
+    if not (all_faithful and k > 0 and (choose(k, P) if choose else worth_it(k, P, m, n))):
+        return None
+    dy, x = gather(transport, pairs, m, n, counts)
+    if record is not None:
+        record(factor_stats(P, k, m, n, bias))
+    return (dy / P if average else dy), x
 
 
 def agree(transport, rows: int, faithful: bool) -> tuple[list[int], bool]:

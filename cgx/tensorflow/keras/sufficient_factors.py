@@ -38,7 +38,7 @@ from cgx import session
 from cgx.grad_plan import GradientPlan, GradMode
 from cgx.comm.base import ReduceOp
 from cgx.process_sets import reducer_of
-from cgx.sufficient_factors import agree, factor_stats, gather, worth_it
+from cgx.sufficient_factors import gathered
 from cgx.tensorflow._bridge import WorkBuffers, run_collective, to_tf, to_torch
 
 
@@ -104,17 +104,15 @@ class FactorLayers:
         x = x.to(tr.device, torch.float32)
         dy = dy.to(tr.device, torch.float32)
         n, m = x.shape[1], dy.shape[1]
-        counts, _ = agree(tr, x.shape[0], True)
-        k = max(counts)
-        if P > 1 and k > 0 and worth_it(k, P, m, n):
-            dy_all, x_all = gather(tr, [(dy, x)], m, n, counts)
-            if self.op is ReduceOp.AVERAGE:
-                dy_all = dy_all / P
-            red.add_stats(factor_stats(P, k, m, n, bias))
-            self.used[name] = True
+        # One call's factors are always a faithful record of it.
+        factors = None if P == 1 else gathered(
+            tr, [(dy, x)], m, n, rows=x.shape[0], faithful=True,
+            average=self.op is ReduceOp.AVERAGE, record=red.add_stats, bias=bias)
+        self.used[name] = factors is not None
+        if factors is not None:
+            dy_all, x_all = factors
             return [torch.mm(x_all.t(), dy_all, out=self._kernel_buffer(name, n, m, tr))] + \
                 ([dy_all.sum(0)] if bias else [])
-        self.used[name] = False
         grads = [torch.mm(x.t(), dy, out=self._kernel_buffer(name, n, m, tr))] + \
             ([dy.sum(0)] if bias else [])
         if P == 1:
