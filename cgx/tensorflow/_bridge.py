@@ -111,9 +111,6 @@ class WorkBuffers:
         src = to_torch(x)
         return self.empty(slot, src.shape, src.dtype, src.device).copy_(src)
 
-    def clear(self) -> None:
-        self._slots.clear()
-
 
 def _shared(t: torch.Tensor) -> bool:
     """Is ``t``'s memory referenced by anything but ``t`` (a view, TensorFlow)?"""

@@ -184,16 +184,17 @@ class GradientExchange:
         if names is None:
             names = [variable_name(v) for v in variables]
         if local or reduced:
-            mine = [i for i, v in enumerate(variables) if id(v) in local or id(v) in reduced]
-            if mine:
-                rest = sorted(set(range(len(grads))) - set(mine))
+            # not reduced here: rank-local, or averaged already
+            kept = [i for i, v in enumerate(variables) if id(v) in local or id(v) in reduced]
+            if kept:
+                rest = sorted(set(range(len(grads))) - set(kept))
                 out = [None] * len(grads)
-                reduced = self([grads[i] for i in rest], [variables[i] for i in rest],
-                               [names[i] for i in rest], step)
-                for i, g in zip(rest, reduced):
+                outs = self([grads[i] for i in rest], [variables[i] for i in rest],
+                            [names[i] for i in rest], step)
+                for i, g in zip(rest, outs):
                     out[i] = g
                 size = group_size(self.group)
-                for i in mine:
+                for i in kept:
                     g = grads[i]
                     if g is not None and scale_local and size > 1 and \
                             id(variables[i]) in local:
