@@ -49,6 +49,7 @@ from cgx.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo
 from cgx.tensorflow.keras import callbacks
 from cgx.tensorflow.keras.optimizer import DistributedOptimizer
 from cgx.tensorflow.keras.loss_scale import LossScaleOptimizer
+from cgx.tensorflow.keras.loss_scale import distributed_inside as _distributed_inside
 
 
 def _eval(value):
@@ -111,9 +112,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     if opt is None:
         return model
     # Saved distributed (mixed precision: a loss-scale optimizer around one): keep it.
-    inner = opt.inner_optimizer if isinstance(opt, _keras.optimizers.LossScaleOptimizer) \
-        else opt
-    if isinstance(inner, DistributedOptimizer):
+    inner = _distributed_inside(opt)
+    if inner is not None:
         if compression is not Compression.none:
             inner.set_compression(compression)
         return model

@@ -22,21 +22,23 @@ from cgx.collectives.functional import Min
 _keras_check_finite = keras.optimizers.LossScaleOptimizer.check_finite
 
 
-def _wraps_distributed(opt) -> bool:
+def distributed_inside(opt):
+    """The cgx ``DistributedOptimizer`` that ``opt`` is or wraps (through
+    ``inner_optimizer``: loss-scale optimizers), else None."""
     from cgx.tensorflow.keras.optimizer import DistributedOptimizer
     seen = 0
     while opt is not None and seen < 8:
         if isinstance(opt, DistributedOptimizer):
-            return True
+            return opt
         opt, seen = getattr(opt, "inner_optimizer", None), seen + 1
-    return False
+    return None
 
 
 def _check_finite_everywhere(self, grads):
     """Keras's check, agreed over all ranks when the optimizer inside is a cgx
     ``DistributedOptimizer`` (else Keras's own, untouched)."""
     local = _keras_check_finite(self, grads)
-    if not _wraps_distributed(self.inner_optimizer):
+    if distributed_inside(self.inner_optimizer) is None:
         return local
     from cgx.tensorflow.ops import allreduce
     # One tiny exact collective: every rank takes the same branch of the step.
