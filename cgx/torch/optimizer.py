@@ -332,21 +332,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         own, placed where backward produces it, so its exchange starts beside backward."""
         sfb = set(getattr(self, "_sfb_index", ()))
         biases = getattr(self, "_sfb_bias", {})
-        alone = [[i] + ([biases[i]] if i in biases else []) for i in sorted(sfb, reverse=True)]
+        # weight index -> its bucket: the weight, and its bias when that travels with it
+        alone = {i: [i] + ([biases[i]] if i in biases else []) for i in sorted(sfb, reverse=True)}
         own = sfb | set(biases.values())  # travel in the factor layers' own buckets
         if self._user_groups is not None:
             order = [[self._index[id(p)] for p in g if id(p) in self._index and
                       self._index[id(p)] not in own] for g in self._user_groups]
             grouped = {i for g in order for i in g}
             rest = [i for i in range(len(params)) if i not in grouped and i not in own]
-            return [g for g in order if g] + ([rest] if rest else []) + alone
+            return [g for g in order if g] + ([rest] if rest else []) + list(alone.values())
         rev = [i for i in range(len(params))[::-1] if i not in own]
         if self._num_groups:
             n = min(self._num_groups, len(rev)) or 1
             groups = [rev[k * len(rev) // n:(k + 1) * len(rev) // n] for k in range(n)]
             # Each factor bucket goes before the first group holding a parameter that
             # backward reaches after it, so it does not wait for those.
-            for one in alone:
+            for one in alone.values():
                 at = next((k for k, g in enumerate(groups) if g and min(g) < one[0]),
                           len(groups))
                 groups.insert(at, one)
@@ -366,7 +367,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for i in range(len(params) - 1, -1, -1):
             if i in sfb:
                 flush()
-                buckets.append([i] + ([biases[i]] if i in biases else []))
+                buckets.append(alone[i])
             elif i not in own:
                 run.append(i)
         flush()
