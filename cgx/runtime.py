@@ -446,8 +446,10 @@ def _make_torch(world: WorldInfo, cfg: Config, device,
         raise CGXError("this torch build has no torch.distributed; install a build with it, "
                        "or use CGX_TRANSPORT=mpi")
     if dist.is_initialized():
-        return TorchTransport(_own_group(cfg), None if device is None else torch.device(device),
-                              owns_group=True, timeout_s=cfg.timeout_s), False
+        # A bare "cuda" becomes this rank's GPU, as when cgx creates the group itself.
+        dev = None if device is None else _torch_device_backend(world, cfg, device)[0]
+        return TorchTransport(_own_group(cfg), dev, owns_group=True,
+                              timeout_s=cfg.timeout_s), False
     if world.size == 1 and not explicit:
         # Nothing to connect: collectives are copies. (transport="torch" still
         # creates a 1-rank group, for code that wants torch.distributed up.)

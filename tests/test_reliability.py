@@ -458,3 +458,14 @@ def test_horovod_capability_queries():
     assert o["nccl_built"] == torch.distributed.is_nccl_available()
     assert not o["ddl_built"] and not o["ccl_built"] and not o["rocm_built"]
     assert o["is_homogeneous"]
+
+
+def test_engine_that_cannot_use_its_device_fails_its_work_instead_of_hanging():
+    """The worker thread makes its CUDA device current first; if that fails (no such GPU,
+    a device without its index), every submission fails with a message, none waits forever."""
+    from cgx.collectives.engine import Engine
+    from cgx.errors import CGXError
+
+    engine = Engine(device=torch.device("cuda", 99))
+    with pytest.raises(CGXError, match="could not use cuda:99"):
+        engine.submit(lambda: 1, label="probe").wait()

@@ -175,7 +175,11 @@ class Engine:
 
     def _loop(self) -> None:
         if self._device is not None and self._device.type == "cuda":
-            torch.cuda.set_device(self._device)
+            try:
+                torch.cuda.set_device(self._device)
+            except BaseException as exc:  # fail every collective, never hang on a dead thread
+                self._fail(CGXError(f"cgx's engine could not use {self._device} ({exc}); "
+                                    f"pass a device with its index, e.g. 'cuda:0'"))
         while True:
             item = self._queue.get()
             if item is None:
