@@ -20,7 +20,7 @@ help:
 	@echo "make demo    - set up (if needed) and run a 2-rank compressed training demo"
 	@echo "make test    - set up (if needed) and run the test suite"
 	@echo "make bench   - time to accuracy: every method, 1/10 Gbit/s and unshaped links,"
-	@echo "               2 hosts x 2 ranks, 3-seed accuracy study (2-3 hours; docs/results/train.*)"
+	@echo "               2 hosts x 2 ranks, 3-seed accuracy study (4-6 hours; docs/results/train.*)"
 	@echo "make bench-kernels / bench-allreduce - benchmarks (figures, plots)"
 
 system:
@@ -51,7 +51,7 @@ demo: install
 test: install horovod
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Not part of `make test`: 2-3 hours on 2 cores (needs root for the simulated links).
+# Not part of `make test`: 4-6 hours on 2 cores (needs root for the simulated links).
 # BENCH_ARGS=--resume keeps the runs already in docs/results/train.json.
 BENCH_ARGS ?=
 bench: install horovod

@@ -12,14 +12,26 @@ BASELINE = "ddp-fp32"
 
 
 def scenario(r: Record) -> tuple:
-    return (r["workload"], r["topology"], r["rate"], r["seed"])
+    """One run of every method: workload, topology, link, seed (and round, after the first)."""
+    key = (r["workload"], r["topology"], r["rate"], r["seed"])
+    return key + (r["round"],) if r.get("round", 0) else key
+
+
+def setting(r: Record) -> tuple:
+    """What a speed-up is claimed for: workload, topology, link (over every seed and round)."""
+    return (r["workload"], r["topology"], r["rate"])
+
+
+def setting_title(key: tuple) -> str:
+    workload, topology, rate = key
+    link = "unshaped" if rate == "none" else rate.replace("gbit", " Gbit/s")
+    ranks = "2 hosts x 2 ranks" if topology == "2x2" else f"{topology} ranks"
+    return f"{workload}, {ranks}, {link}"
 
 
 def scenario_title(key: tuple) -> str:
-    workload, topology, rate, seed = key
-    link = "unshaped" if rate == "none" else rate.replace("gbit", " Gbit/s")
-    ranks = "2 hosts x 2 ranks" if topology == "2x2" else f"{topology} ranks"
-    return f"{workload}, {ranks}, {link}, seed {seed}"
+    title = f"{setting_title(key[:3])}, seed {key[3]}"
+    return title + (f", round {key[4]}" if len(key) > 4 else "")
 
 
 def target_loss(records: list[Record], slack: float) -> Optional[float]:
@@ -54,7 +66,7 @@ def scenario_table(records: list[Record], slack: float) -> tuple[list[str], dict
              "loss).", "",
              "| method | samples/s | s/step: compute + exposed comm + compression | MB/step/rank "
              "(link / counted) | peak RSS MB | final val loss | final val acc | time to target "
-             "| vs DDP fp32 |",
+             "| vs DDP fp32 (this run) |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     reached = {}
     for r in records:
@@ -76,6 +88,49 @@ def scenario_table(records: list[Record], slack: float) -> tuple[list[str], dict
             f"{_f(t, '.1f', 'not reached')}{' s' if t is not None else ''}"
             f"{f' ({steps} steps)' if steps is not None else ''} | {speed} |")
     return lines, {"target_loss": target, "time_to_target_s": reached}
+
+
+def verdict(ratios: list[float]) -> str:
+    """A speed-up claimed only beyond the spread: every run faster (or slower), else a tie."""
+    if len(ratios) < 2:
+        return "1 run: no spread, not claimed"
+    if min(ratios) > 1.0:
+        return "faster in every run"
+    if max(ratios) < 1.0:
+        return "slower in every run"
+    return "tie (within the spread)"
+
+
+def speedup_table(records: list[Record], slack: float) -> list[str]:
+    """Per setting and method: time to target and the ratio to DDP fp32 over paired runs.
+
+    Runs are paired by scenario (same seed and round): each pair's target is that
+    pair's DDP fp32 final loss (+ slack), so a ratio compares runs made minutes
+    apart on the same data; the table shows the median and the min-max over pairs.
+    """
+    lines = ["| setting | method | runs | time to target, s (median, min-max) | vs DDP fp32 "
+             "(median, min-max) | verdict |", "|---|---|---:|---:|---:|---|"]
+    settings: dict[tuple, dict[str, list]] = collections.OrderedDict()
+    for recs in by_scenario(records).values():
+        target = target_loss(recs, slack)
+        base = next((r for r in recs if r["method"] == BASELINE and "curve" in r), None)
+        base_t = time_to(base["curve"], target)[0] if base else None
+        for r in recs:
+            if "curve" not in r:
+                continue
+            t = time_to(r["curve"], target)[0]
+            per = settings.setdefault(setting(r), collections.OrderedDict())
+            per.setdefault(r["method"], []).append((t, base_t / t if base_t and t else None))
+    for key, per in settings.items():
+        for method, runs in per.items():
+            times = [t for t, _ in runs if t is not None]
+            ratios = [x for _, x in runs if x is not None]
+            span = lambda xs, f: (f"{statistics.median(xs):{f}} ({min(xs):{f}}-{max(xs):{f}})"  # noqa: E731
+                                  if xs else "not reached")
+            lines.append(f"| {setting_title(key)} | {method} | {len(runs)} | {span(times, '.1f')} | "
+                         f"{span(ratios, '.2f') if method != BASELINE else '1'} | "
+                         f"{'-' if method == BASELINE or not ratios else verdict(ratios)} |")
+    return lines
 
 
 def study_table(records: list[Record]) -> list[str]:

@@ -1,0 +1,70 @@
+"""The time-to-accuracy report claims a speed-up only beyond the spread of its runs.
+
+Synthetic records (no training): the pairing of runs by seed and round, the
+median and min-max of the ratios, and the verdict; and that ``--rounds``
+interleaves the methods inside every round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `benchmarks` is not installed; import it from the checkout
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import train  # noqa: E402
+from benchmarks.timetoacc import report  # noqa: E402
+
+
+def _record(method, seed, rnd, final_loss, reach_s):
+    """A run whose validation loss is 2.0 at 0 s, then ``final_loss`` from ``reach_s`` on."""
+    return {"workload": "cnn", "topology": "2", "rate": "1gbit", "seed": seed, "round": rnd,
+            "method": method, "curve": [{"step": 0, "train_s": 0.0, "loss": 2.0},
+                                        {"step": 10, "train_s": reach_s, "loss": final_loss}]}
+
+
+def _rows(records):
+    lines = report.speedup_table(records, slack=0.02)
+    return {line.split(" | ")[1]: line for line in lines[2:]}
+
+
+def test_a_ratio_whose_spread_spans_one_is_a_tie():
+    recs = []
+    for seed, (base, fast, noisy) in enumerate([(10.0, 4.0, 6.0), (12.0, 5.0, 14.0),
+                                                 (11.0, 4.5, 9.0)]):
+        recs += [_record("ddp-fp32", seed, 0, 1.0, base), _record("cgx-4bit", seed, 0, 1.0, fast),
+                 _record("cgx-planned", seed, 0, 1.0, noisy)]
+    rows = _rows(recs)
+    assert "faster in every run" in rows["cgx-4bit"]
+    assert "2.44 (2.40-2.50)" in rows["cgx-4bit"]  # 10/4, 12/5, 11/4.5: each pair its own ratio
+    assert "tie" in rows["cgx-planned"] and "(0.86-1.67)" in rows["cgx-planned"]
+
+
+def test_one_run_is_not_claimed_and_slower_everywhere_is_said():
+    one = [_record("ddp-fp32", 0, 0, 1.0, 10.0), _record("cgx-4bit", 0, 0, 1.0, 4.0)]
+    assert "1 run: no spread, not claimed" in _rows(one)["cgx-4bit"]
+    two = one + [_record("ddp-fp32", 0, 1, 1.0, 10.0), _record("cgx-4bit", 0, 1, 1.0, 20.0),
+                 _record("cgx-2bit", 0, 0, 1.0, 30.0), _record("cgx-2bit", 0, 1, 1.0, 40.0)]
+    rows = _rows(two)
+    assert "tie" in rows["cgx-4bit"]
+    assert "slower in every run" in rows["cgx-2bit"]
+
+
+def test_a_method_that_never_reaches_the_target_has_no_ratio():
+    recs = [_record("ddp-fp32", s, 0, 1.0, 10.0) for s in (0, 1)]
+    recs += [_record("cgx-2bit", s, 0, 1.5, 5.0) for s in (0, 1)]
+    row = _rows(recs)["cgx-2bit"]
+    assert "not reached" in row and "faster" not in row and "tie" not in row
+
+
+def test_rounds_interleave_the_methods():
+    args = argparse.Namespace(suite=False, study=False, workloads=("cnn",), rates=("1gbit",),
+                              topology="2", seeds=(0,), methods=("ddp-fp32", "cgx-4bit"),
+                              steps=5, rounds=3)
+    runs = train.plan_runs(args)
+    assert [(r["round"], r["method"]) for r in runs] == [
+        (rnd, m) for rnd in range(3) for m in ("ddp-fp32", "cgx-4bit")]
+    assert len({train.run_key(r) for r in runs}) == 6
