@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional
 TTY_VAR = "CGXRUN_TTY"  # set by cgxrun: "1" when its own stderr is a terminal
 
 
-def _isatty(stream) -> bool:
+def isatty(stream) -> bool:
     try:
         return os.isatty(stream.fileno())
     except (OSError, ValueError, AttributeError):
@@ -40,7 +40,7 @@ class LinePump:
     def __init__(self, src, dst, prefix: str = "", log_path: Optional[str] = None):
         self._src, self._prefix = src, prefix.encode()
         self._dst_fd = dst.fileno()
-        self._tty = _isatty(dst)
+        self._tty = isatty(dst)
         self._log = open(log_path, "ab") if log_path else None
         self._thread = threading.Thread(target=self._run, name="cgxrun-output", daemon=True)
         self._thread.start()
@@ -107,7 +107,7 @@ def watched() -> bool:
     """True when a person watches this process's output on a terminal."""
     if TTY_VAR in os.environ:
         return os.environ[TTY_VAR] == "1"
-    return _isatty(sys.stderr)
+    return isatty(sys.stderr)
 
 
 def progress(iterable: Optional[Iterable] = None, **kwargs: Any):

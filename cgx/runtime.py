@@ -55,17 +55,18 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import datetime
 import os
 import sys
 import threading
-import time
 from typing import TYPE_CHECKING, Optional, Union
 
-from cgx.config import Config, TorchBackend, TransportKind
-from cgx.errors import CGXError, ConfigError, NotInitializedError
-from cgx.launcher import Launcher, WorldInfo, discover
-from cgx.rendezvous import exit_failing, install_mpi_abort_hook, make_store
+from cgx.comm import factory
+from cgx.config import Config, TransportKind
+from cgx.errors import NotInitializedError
+from cgx.launch import exit_record
+from cgx.launch.rendezvous import exit_failing
+from cgx.launch.world import (Launcher, WorldInfo, adopt_group, discover, layout_row,
+                              node_layout)
 
 if TYPE_CHECKING:  # torch is imported by init(), not by importing this module
     import torch
@@ -122,7 +123,7 @@ def init(config: Optional[Config] = None, *,
         >>> cgx.size()
         1
     """
-    global _state, _atexit_registered, _inits
+    global _state, _inits
     with _lock:
         if _state is not None:
             _check_same(_state, config, transport, device)
@@ -132,45 +133,64 @@ def init(config: Optional[Config] = None, *,
         elif not isinstance(config, Config):
             raise TypeError(f"config must be a cgx.Config, got {type(config).__name__}")
         kind, given = _resolve_transport_arg(transport, config)
-        world = discover()
-        owns = False
-        if given is not None:
-            tr = given
-        else:
-            explicit = kind is not TransportKind.AUTO
-            if not explicit:
-                kind = _auto_kind(world, config)
-            if kind is TransportKind.TORCH:
-                tr, owns = _make_torch(world, config, device, explicit)
-            elif kind is TransportKind.MPI:
-                tr = _make_mpi(world, device)
-            else:
-                tr = _make_horovod(device)
+        world = discover()                                                   # 1. who am I
+        kind, conn = _connect(world, config, kind, given, device)           # 2. connect
         try:
-            world, adopted = _world_for(world, tr)
-            world, local_groups, cross_groups = _layout(world, tr, adopted)
-            if world.size > 1:  # unconditional: CGX_CHECK_CONSISTENCY itself must match
+            world, local, cross = _layout(world, conn.transport)             # 3. node layout
+            if world.size > 1:  # 4. same settings everywhere (CGX_CHECK_CONSISTENCY too)
                 from cgx.comm.consistency import agree_config
-                agree_config(tr, config)
-            local, cross = _sub_transports(tr, local_groups, cross_groups)
+                agree_config(conn.transport, config)
         except BaseException:
             if given is None:  # a transport the caller made stays the caller's
-                _close(tr, owns)
+                factory.close(conn.transport, conn.owns_process_group)
             raise
-        _state = _State(world=world, config=config, kind=kind, transport=tr, local=local,
-                        cross=cross, owns_process_group=owns,
-                        board=_make_board(world, tr, config))
+        log = lambda msg: _log(config, world, msg)  # noqa: E731
+        _state = _State(world=world, config=config, kind=kind, transport=conn.transport,
+                        local=local, cross=cross, owns_process_group=conn.owns_process_group,
+                        board=factory.make_board(world, conn, _inits, log))
         _inits += 1
-        if not _atexit_registered:
-            atexit.register(_at_exit)
-            _atexit_registered = True
-            if os.environ.get(EXIT_RECORD_VAR):
-                _note_exit_status()
+        _record_exits()                                                      # 5. for cgxrun
         _log(config, world, f"initialized: rank {world.rank}/{world.size} (local "
                             f"{world.local_rank}/{world.local_size}, node {world.cross_rank}/"
                             f"{world.cross_size}), launcher {world.launcher.value}, "
-                            f"transport {tr.name} on {tr.device}"
+                            f"transport {conn.transport.name} on {conn.transport.device}"
                             + "".join(f"; {n}" for n in world.notes))
+
+
+def _connect(world: WorldInfo, config: Config, kind: TransportKind, given, device):
+    """(engine, Connection): the caller's transport, or one made by the chosen engine."""
+    if given is not None:
+        return kind, factory.Connection(given)
+    explicit = kind is not TransportKind.AUTO
+    if not explicit:
+        kind = factory.auto_kind(world, config, lambda msg: _log(config, world, msg))
+    if kind is TransportKind.TORCH:
+        return kind, factory.connect_torch(world, config, device, explicit, _inits)
+    if kind is TransportKind.MPI:
+        return kind, factory.connect_mpi(world, device)
+    return kind, factory.connect_horovod(device)
+
+
+def _layout(world: WorldInfo, tr: "Transport"):
+    """(world with its node layout, local transport, cross-node transport)."""
+    world, adopted = adopt_group(world, tr.rank, tr.size)
+    if world.size == 1:
+        local_groups = cross_groups = [[0]]
+    else:
+        rows = tr.allgather_object(layout_row(world))
+        world, local_groups, cross_groups = node_layout(world, rows, adopted)
+    local, cross = factory.sub_transports(tr, local_groups, cross_groups)
+    return world, local, cross
+
+
+def _record_exits() -> None:
+    """Once per process: shut down at exit and, under cgxrun, note when this rank exits."""
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(_at_exit)
+        _atexit_registered = True
+        if os.environ.get(exit_record.EXIT_RECORD_VAR):
+            exit_record.note_exit_status()
 
 
 def shutdown() -> None:
@@ -184,50 +204,13 @@ def shutdown() -> None:
         st, _state = _state, None
         if st is None:
             return
-        _store_address[0] = None
         for sub in (st.cross, st.local):
             if sub is not st.transport:
                 try:
                     sub.close()
                 except Exception:  # noqa: BLE001 - shutdown goes on; the world is closed next
                     pass
-        _close(st.transport, st.owns_process_group)
-
-
-# cgxrun (--gloo) sets this: each rank notes here when it starts to exit, so that
-# cgxrun can tell which failed rank went first (see cgx.run).
-EXIT_RECORD_VAR = "CGXRUN_EXIT_DIR"
-_exit_status = None  # what the program exits with, once known (sys.exit, uncaught error)
-
-
-def _note_exit_status() -> None:
-    """Under cgxrun: learn the exit status before the exit handlers run.
-
-    A rank that calls ``sys.exit(3)`` closes its connections in its exit handler; a
-    peer blocked in a collective with it then fails, and the launcher may stop this
-    rank (SIGTERM) before it has finished exiting. cgxrun reports the first failure,
-    and this makes it report 3, not the signal.
-    """
-    real_exit, previous_hook = sys.exit, sys.excepthook
-
-    def exit_(status=None):
-        global _exit_status
-        _exit_status = status
-        real_exit(status)
-
-    def hook(exc_type, exc, tb):
-        global _exit_status
-        if _exit_status is None:
-            _exit_status = 1
-        previous_hook(exc_type, exc, tb)
-
-    sys.exit, sys.excepthook = exit_, hook
-
-
-def _status_code(status) -> int:
-    if status is None:
-        return 0
-    return status if isinstance(status, int) else 1
+        factory.close(st.transport, st.owns_process_group)
 
 
 def _at_exit() -> None:
@@ -247,15 +230,7 @@ def _at_exit() -> None:
         st = _state
         if st is None:
             return
-        record_dir = os.environ.get(EXIT_RECORD_VAR)
-        if record_dir:
-            try:
-                with open(os.path.join(record_dir, f"atexit.rank{st.world.rank}"), "w") as f:
-                    f.write(str(time.time_ns()))
-                    if _exit_status is not None:
-                        f.write(f" {_status_code(_exit_status)}")
-            except OSError:
-                pass
+        exit_record.write_atexit(st.world.rank)  # under cgxrun: when this rank began to exit
         under_mpi = st.world.launcher in (Launcher.OPEN_MPI, Launcher.MPICH) or \
             st.transport.name == "mpi"
         if under_mpi and exit_failing():
@@ -384,250 +359,3 @@ def _check_same(st: _State, config, transport, device) -> None:
         raise ValueError(f"cgx is already initialized (transport {st.kind.value} on "
                          f"{st.transport.device}); init() was called again with "
                          f"{', '.join(problems)}. Call cgx.shutdown() first to change it")
-
-
-def _auto_kind(world: WorldInfo, cfg: Config) -> TransportKind:
-    if world.launcher is Launcher.HOROVOD_GLOO:
-        from cgx.comm.horovod import HorovodMissingError, import_horovod
-        try:
-            import_horovod()
-            return TransportKind.HOROVOD
-        except HorovodMissingError as e:
-            _log(cfg, world, f"horovod.torch is not usable ({e}); using torch.distributed")
-    return TransportKind.TORCH
-
-
-def _local_cuda(world: WorldInfo) -> "torch.device":
-    import torch
-    n = torch.cuda.device_count()
-    if n == 1:
-        return torch.device("cuda", 0)  # e.g. CUDA_VISIBLE_DEVICES gives each rank its GPU
-    if world.local_rank < n:
-        return torch.device("cuda", world.local_rank)
-    raise ConfigError(f"local rank {world.local_rank} has no GPU: {n} CUDA devices are visible "
-                      f"for {world.local_size} ranks on this node; start at most {n} ranks per "
-                      f"node, or use CGX_BACKEND=gloo for CPU tensors")
-
-
-def _torch_device_backend(world: WorldInfo, cfg: Config, device) -> tuple["torch.device", str]:
-    import torch
-    if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            if dev.index is None:
-                dev = _local_cuda(world)
-            return dev, ("gloo" if cfg.backend is TorchBackend.GLOO else "nccl")
-        if cfg.backend is TorchBackend.NCCL:
-            raise ConfigError(f"CGX_BACKEND=nccl needs a CUDA device, but cgx.init() got "
-                              f"device={str(device)!r}; pass a cuda device or use CGX_BACKEND=gloo")
-        return dev, "gloo"
-    if cfg.backend is TorchBackend.GLOO:
-        return torch.device("cpu"), "gloo"
-    if not torch.cuda.is_available():
-        if cfg.backend is TorchBackend.NCCL:
-            raise ConfigError("CGX_BACKEND=nccl needs CUDA, but torch.cuda.is_available() is "
-                              "False here; use CGX_BACKEND=gloo (or auto)")
-        return torch.device("cpu"), "gloo"
-    return _local_cuda(world), "nccl"
-
-
-def _make_torch(world: WorldInfo, cfg: Config, device,
-                explicit: bool) -> tuple["Transport", bool]:
-    """TorchTransport on the user's process group, or on one cgx creates.
-
-    Returns (transport, whether cgx created the process group).
-    """
-    import torch
-    import torch.distributed as dist
-
-    from cgx.comm.torch_dist import TorchTransport
-
-    if not dist.is_available():
-        raise CGXError("this torch build has no torch.distributed; install a build with it, "
-                       "or use CGX_TRANSPORT=mpi")
-    if dist.is_initialized():
-        # A bare "cuda" becomes this rank's GPU, as when cgx creates the group itself.
-        dev = None if device is None else _torch_device_backend(world, cfg, device)[0]
-        return TorchTransport(_own_group(cfg), dev, owns_group=True,
-                              timeout_s=cfg.timeout_s), False
-    if world.size == 1 and not explicit:
-        # Nothing to connect: collectives are copies. (transport="torch" still
-        # creates a 1-rank group, for code that wants torch.distributed up.)
-        from cgx.comm.base import SingleProcessTransport
-        dev, _ = _torch_device_backend(world, cfg, device)
-        return SingleProcessTransport(dev), False
-    dev, backend = _torch_device_backend(world, cfg, device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    if world.launcher is Launcher.TORCHRUN and world.master_addr is not None:
-        # torchrun's env:// (its agent's store when TORCHELASTIC_USE_AGENT_STORE is set).
-        dist.init_process_group(backend, init_method="env://", rank=world.rank,
-                                world_size=world.size, timeout=timeout)
-    else:
-        store = make_store(world, cfg, _inits)
-        _store_address[0] = (store.host, store.port) if hasattr(store, "port") else None
-        dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
-                                timeout=timeout)
-    try:
-        return TorchTransport(_own_group(cfg), dev, owns_group=True,
-                              timeout_s=cfg.timeout_s), True
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-
-
-_store_address: list = [None]  # (host, port) of the store cgx made for the running job
-
-
-def _make_board(world: WorldInfo, tr: "Transport", cfg: Config):
-    """A progress board on the job's rendezvous store, when there is one (else None)."""
-    if world.size == 1 or not tr.name.startswith("torch"):
-        return None
-    addr = _store_address[0]
-    if addr is None and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    if addr is None:
-        return None
-    from cgx.comm.progress import ProgressBoard
-    scope = f"{_inits}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    try:
-        return ProgressBoard(addr[0], addr[1], world.rank, world.size, scope)
-    except Exception as e:  # noqa: BLE001 - the board only improves messages
-        _log(cfg, world, f"no progress board ({e}); stalls will not name the missing ranks")
-        return None
-
-
-def _own_group(cfg: Config):
-    """A process group for cgx's traffic alone, over the same ranks as the world.
-
-    cgx reduces on a background thread; if it shared the default group with the
-    user's own torch.distributed calls (DDP, a metric all_reduce), the two
-    streams of collectives could interleave differently on different ranks and
-    deadlock. A separate group keeps them apart. Every rank calls this once, in
-    init(), so the group is created in the same order everywhere.
-    """
-    import torch.distributed as dist
-    return dist.new_group(list(range(dist.get_world_size())),
-                          timeout=datetime.timedelta(seconds=cfg.timeout_s))
-
-
-def _make_mpi(world: WorldInfo, device) -> "Transport":
-    from cgx.comm.mpi import MPITransport
-    tr = MPITransport(None, "cpu" if device is None else device)
-    if tr.size > 1 or world.size > 1:
-        install_mpi_abort_hook()
-    if world.size > 1 and tr.size != world.size:
-        raise ConfigError(f"CGX_TRANSPORT=mpi needs ranks started by an MPI launcher (mpirun, "
-                          f"cgxrun --mpi): {world.launcher.value} started {world.size} ranks "
-                          f"but MPI sees {tr.size}; use CGX_TRANSPORT=torch with this launcher")
-    return tr
-
-
-def _make_horovod(device) -> "Transport":
-    from cgx.comm.horovod import HorovodTransport
-    if device is not None and str(device) != "cpu":
-        raise ConfigError(f"cgx's Horovod transport moves CPU tensors; got device={str(device)!r}. "
-                          f"Use CGX_TRANSPORT=torch for CUDA tensors (NCCL)")
-    return HorovodTransport()
-
-
-def _close(tr: "Transport", owns_process_group: bool) -> None:
-    try:
-        tr.close()
-    finally:
-        if owns_process_group:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
-# -- node layout ---------------------------------------------------------------------------
-
-def _world_for(world: WorldInfo, tr: "Transport") -> tuple[WorldInfo, bool]:
-    """Check the transport's group against the launcher's world, or adopt the group.
-
-    Returns (world, adopted): adopted when no known launcher started the ranks
-    and the world comes from the transport's group.
-    """
-    if tr.size == world.size and tr.rank == world.rank:
-        return world, False
-    if world.launcher is Launcher.SINGLE:
-        # A group the user made without a launcher we know: the group is the world;
-        # _layout() measures the nodes from host names.
-        return dataclasses.replace(
-            world, rank=tr.rank, size=tr.size, local_rank=0, local_size=1, cross_rank=0,
-            cross_size=1, cross_derived=True,
-            notes=world.notes + ("world taken from the transport's group",)), True
-    raise ConfigError(f"the transport's group has rank {tr.rank} of {tr.size}, but "
-                      f"{world.launcher.value} started this process as rank {world.rank} of "
-                      f"{world.size}; pass a transport over all ranks of the job")
-
-
-def layout_from_hosts(hosts: list[str]) -> list[tuple[int, int, int]]:
-    """(node index, local rank, local size) of every rank, from their host names.
-
-    Nodes are numbered in the order of their lowest rank; local ranks follow
-    global rank order on each node.
-    """
-    nodes: dict[str, list[int]] = {}
-    for r, h in enumerate(hosts):
-        nodes.setdefault(h, []).append(r)
-    index = {h: i for i, h in enumerate(nodes)}
-    return [(index[h], nodes[h].index(r), len(nodes[h])) for r, h in enumerate(hosts)]
-
-
-def _layout(world: WorldInfo, tr: "Transport", adopted: bool = False):
-    """Agree on the node layout; return (world, local groups, cross groups).
-
-    One allgather of every rank's (host, local rank, local size, node). Launcher
-    values are kept when the launcher gave them; derived node indices (and, for
-    an adopted group, everything) come from the host names.
-    """
-    if world.size == 1:
-        return world, [[0]], [[0]]
-    rows = tr.allgather_object((world.hostname, world.local_rank, world.local_size,
-                                world.cross_rank))
-    if world.cross_derived:
-        measured = layout_from_hosts([row[0] for row in rows])
-        if adopted or all((m[1], m[2]) == (row[1], row[2]) for m, row in zip(measured, rows)):
-            node, lrank, lsize = measured[world.rank]
-            nodes = max(m[0] for m in measured) + 1
-            world = dataclasses.replace(
-                world, local_rank=lrank, local_size=lsize, cross_rank=node, cross_size=nodes,
-                cross_derived=False,
-                notes=tuple(n for n in world.notes if not n.startswith("cross_rank/cross_size"))
-                + ("node layout measured from host names",))
-            rows = [(h, m[1], m[2], m[0]) for (h, *_), m in zip(rows, measured)]
-        else:
-            world = dataclasses.replace(world, notes=world.notes + (
-                "host names disagree with the launcher's local ranks: kept rank // local_size",))
-    node_of = [row[3] for row in rows]
-    local_groups: dict[int, list[int]] = {}
-    for r, n in enumerate(node_of):
-        local_groups.setdefault(n, []).append(r)
-    for r, (_, lrank, lsize, node) in enumerate(rows):
-        members = local_groups[node]
-        if len(members) != lsize or members.index(r) != lrank:
-            raise ConfigError(
-                f"the launcher's node layout is inconsistent: rank {r} says it is local rank "
-                f"{lrank} of {lsize} on node {node}, but the ranks on node {node} are {members}; "
-                f"check the launcher's LOCAL_* and node variables")
-    cross_groups: dict[int, list[int]] = {}
-    for r, row in enumerate(rows):
-        cross_groups.setdefault(row[1], []).append(r)
-    return (world, [local_groups[n] for n in sorted(local_groups)],
-            [cross_groups[lr] for lr in sorted(cross_groups)])
-
-
-def _sub_transports(tr: "Transport", local_groups, cross_groups):
-    """(local, cross) transports; splits only when there are several nodes."""
-    from cgx.comm.base import SingleProcessTransport
-    if len(local_groups) == 1:
-        return tr, SingleProcessTransport(tr.device)
-    if all(len(g) == 1 for g in local_groups):
-        return SingleProcessTransport(tr.device), tr
-    # Same calls in the same order on every rank: local groups first, then cross.
-    local = tr.split(local_groups)
-    cross = tr.split(cross_groups)
-    return local, cross

@@ -80,9 +80,9 @@ class RankRun:
 
 
 def cgxrun_command() -> list[str]:
-    """The ``cgxrun`` console script next to this interpreter (else ``python -m cgx.run``)."""
+    """The ``cgxrun`` console script next to this interpreter (else ``python -m cgx.launch.cli``)."""
     script = Path(sys.executable).parent / "cgxrun"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "cgx.run"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "cgx.launch.cli"]
 
 
 def mpirun_base(nprocs: int) -> list[str]:

@@ -18,9 +18,11 @@ import time
 
 import pytest
 
-from cgx import run
 from cgx.config import ENV_VARS
-from cgx.run import Host, UsageError, parse_args
+from cgx.launch import cli as run
+from cgx.launch import exit_record, mpirun, torchrun
+from cgx.launch.spec import Host, UsageError
+from cgx.launch.cli import parse_args
 from distutil import WORLD_SNIPPET, check_world, cgxrun_command, free_port, have_mpirun, run_ranks
 
 LAUNCH_TIMEOUT_S = 180
@@ -174,14 +176,14 @@ def test_worker_env(monkeypatch):
 
 def test_torchrun_args_single_host():
     spec = parse_args(["-np", "4", "--start-timeout", "30", "python", "t.py"])
-    assert run.torchrun_args(spec) == ["--standalone", "--nnodes", "1", "--nproc-per-node", "4",
+    assert torchrun.torchrun_args(spec) == ["--standalone", "--nnodes", "1", "--nproc-per-node", "4",
                                        "--rdzv-conf", "join_timeout=30", "--no-python", "python",
                                        "t.py"]
 
 
 def test_torchrun_args_per_host():
     spec = parse_args(["-np", "3", "-H", "a:2,b:2", "--master-port", "1234", "prog", "x"])
-    assert run.torchrun_args(spec, 1) == [
+    assert torchrun.torchrun_args(spec, 1) == [
         "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--rdzv-backend", "static",
         "--master-addr", "a", "--master-port", "1234", "--no-python", "prog", "x"]
 
@@ -198,12 +200,12 @@ def test_multi_host_gloo_without_this_host_prints_per_host_commands(capsys):
 
 def test_multi_host_gloo_finds_this_host(capsys):
     spec = parse_args(["-np", "2", "-H", "host-a.invalid:1,localhost:1", "prog"])
-    assert run.local_node(spec) == 1
+    assert torchrun.local_node(spec) == 1
     assert run.main(["-np", "2", "-H", "host-a.invalid:1,localhost:1", "--dry-run",
                      sys.executable, "t.py"]) == 0
     assert "--node-rank 1 --nproc-per-node 1" in capsys.readouterr().err
     # Listed twice (two local names): ambiguous, --node-rank must say which.
-    assert run.local_node(parse_args(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "p"])) is None
+    assert torchrun.local_node(parse_args(["-np", "2", "-H", "localhost:1,127.0.0.1:1", "p"])) is None
 
 
 def _spec(*argv):
@@ -223,13 +225,13 @@ def _spec(*argv):
      "--mca oob_tcp_if_include eth0 --tag-output -x CGX_A --mca x y ./prog arg"),
 ])
 def test_mpirun_command_open_mpi(argv, root, cores, want):
-    cmd = run.mpirun_command(_spec(*argv), ["CGX_A"], cores=cores, is_root=root)
+    cmd = mpirun.mpirun_command(_spec(*argv), ["CGX_A"], cores=cores, is_root=root)
     assert shlex.join(cmd) == want
 
 
 def test_mpirun_command_hydra():
     spec = _spec("-np", "4", "-H", "a:2,b:2", "--network-interface", "ib0,eth0", "python", "t.py")
-    cmd = run.mpirun_command(spec, ["CGX_A", "PATH"], flavor="hydra", use_mpi4py=False)
+    cmd = mpirun.mpirun_command(spec, ["CGX_A", "PATH"], flavor="hydra", use_mpi4py=False)
     assert shlex.join(cmd) == ("mpirun -n 4 -hosts a:2,b:2 -iface ib0 -genvlist CGX_A,PATH "
                                "-prepend-rank python t.py")
 
@@ -245,11 +247,11 @@ def test_mpirun_command_hydra():
     ("./train.sh python t.py", "./train.sh python t.py"),
 ])
 def test_mpi4py_command(cmd, want):
-    assert shlex.join(run.mpi4py_command(shlex.split(cmd))) == want
+    assert shlex.join(mpirun.mpi4py_command(shlex.split(cmd))) == want
 
 
 def test_exported_names():
-    names = run.exported_names({"CGX_X": "1", "PATH": "/bin", "HOME": "/root", "NCCL_DEBUG": "1",
+    names = mpirun.exported_names({"CGX_X": "1", "PATH": "/bin", "HOME": "/root", "NCCL_DEBUG": "1",
                                 "SECRET": "s"}, {"OMP_NUM_THREADS": "1"})
     assert names == ["CGX_X", "NCCL_DEBUG", "OMP_NUM_THREADS", "PATH"]
 
@@ -264,21 +266,21 @@ def test_dry_run_mpi(capsys):
 
 
 def test_physical_cores():
-    assert 1 <= run.physical_cores() <= (os.cpu_count() or 1)
+    assert 1 <= mpirun.physical_cores() <= (os.cpu_count() or 1)
 
 
 # -- the exit recorder (supervision of torch.distributed.run's workers) ---------------------------
 
 def test_first_recorded_failure(tmp_path):
-    assert run.first_recorded_failure(str(tmp_path)) is None
+    assert exit_record.first_recorded_failure(str(tmp_path)) is None
     (tmp_path / "rank0").write_text("2000 1")
     (tmp_path / "rank1").write_text("1000 3")
     (tmp_path / "rank2").write_text("garbage")
-    assert run.first_recorded_failure(str(tmp_path)) == (1, 3)
+    assert exit_record.first_recorded_failure(str(tmp_path)) == (1, 3)
 
 
 def test_record_exit_keeps_code_and_signal(tmp_path):
-    rec = [sys.executable, "-m", "cgx.run", run.RECORD_FLAG, str(tmp_path), "--", sys.executable,
+    rec = [sys.executable, "-m", "cgx.launch.exit_record", str(tmp_path), "--", sys.executable,
            "-c"]
     env = {**os.environ, "RANK": "5"}
     out = subprocess.run(rec + ["import sys; sys.exit(3)"], env=env, timeout=60)
@@ -438,3 +440,19 @@ def test_progress_bars_only_for_a_person(monkeypatch):
     assert console.progress(range(3)).disable  # not rank 0
     monkeypatch.setenv("RANK", "0")
     assert not console.progress(range(3)).disable
+
+
+def test_deprecated_import_paths_still_work():
+    """cgx.run, cgx.launcher and cgx.rendezvous re-export cgx.launch for one release."""
+    import cgx.launch.rendezvous
+    import cgx.launch.world
+    import cgx.launcher
+    import cgx.rendezvous
+    import cgx.run
+    assert cgx.run.main is run.main and cgx.run.parse_args is parse_args
+    assert cgx.run.first_recorded_failure is exit_record.first_recorded_failure
+    assert cgx.launcher.discover is cgx.launch.world.discover
+    assert cgx.rendezvous.make_store is cgx.launch.rendezvous.make_store
+    out = subprocess.run([sys.executable, "-m", "cgx.run", "--help-env"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "CGX_COMPRESSION" in out.stdout

@@ -1,4 +1,4 @@
-"""World discovery from each launcher's environment (cgx.launcher), no processes spawned."""
+"""World discovery from each launcher's environment (cgx.launch.world), no processes spawned."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from cgx.errors import CGXError, ConfigError
-from cgx.launcher import (
+from cgx.launch.world import (
     SLURM_PORT_BASE,
     SLURM_PORT_SPAN,
     Launcher,

@@ -224,7 +224,7 @@ def test_teardown_when_the_owner_is_stopped(how):
     _started(n_ranks=2, rate=None).close()  # skips here if namespaces are unavailable
     # The owner starts with default signal dispositions: a suite run in the background
     # (SIGINT ignored, inherited) must test the same owner as one run from a terminal.
-    from cgx.run import default_signals
+    from cgx.launch.exit_record import default_signals
     proc = subprocess.Popen([sys.executable, "-c", _HOLDER.format(root=str(REPO_ROOT))],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=default_signals)

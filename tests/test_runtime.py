@@ -16,12 +16,13 @@ import pytest
 import torch
 
 import cgx
-import cgx.rendezvous as rdv
+import cgx.launch.rendezvous as rdv
 import cgx.runtime as rt
 from cgx.comm.base import SingleProcessTransport, Transport
 from cgx.config import Config
 from cgx.errors import CGXError, ConfigError, MissingDependencyError, NotInitializedError
-from cgx.launcher import Launcher, WorldInfo
+from cgx.comm import factory
+from cgx.launch.world import Launcher, WorldInfo, layout_from_hosts, layout_row, node_layout
 from distutil import (WORLD_SNIPPET, KVServer, check_world, have_horovodrun, have_mpirun,
                        horovod_gloo_env, run_ranks)
 
@@ -48,7 +49,7 @@ def _clean(monkeypatch):
 # -- import cost ------------------------------------------------------------------------
 
 def test_import_cgx_is_cheap():
-    code = ("import sys, cgx, cgx.launcher, cgx.run, cgx.runtime; "
+    code = ("import sys, cgx, cgx.launch.cli, cgx.launcher, cgx.run, cgx.runtime; "
             "assert not cgx.is_initialized(); "
             "heavy = [m for m in ('torch', 'tensorflow', 'triton', 'mpi4py') if m in sys.modules]; "
             "print(heavy)")
@@ -210,10 +211,10 @@ def test_horovod_transport_without_horovod(monkeypatch):
 # -- node layout ------------------------------------------------------------------------------
 
 def test_layout_from_hosts():
-    assert rt.layout_from_hosts(["a", "a", "b", "b"]) == [(0, 0, 2), (0, 1, 2), (1, 0, 2),
+    assert layout_from_hosts(["a", "a", "b", "b"]) == [(0, 0, 2), (0, 1, 2), (1, 0, 2),
                                                           (1, 1, 2)]
     # Round-robin placement (mpirun --map-by node) and uneven nodes.
-    assert rt.layout_from_hosts(["a", "b", "a"]) == [(0, 0, 2), (1, 0, 1), (0, 1, 2)]
+    assert layout_from_hosts(["a", "b", "a"]) == [(0, 0, 2), (1, 0, 1), (0, 1, 2)]
 
 
 class _Rows(Transport):
@@ -244,7 +245,9 @@ def _world(rank, size, lrank, lsize, crank, csize, host, derived, launcher=Launc
 def test_layout_measures_derived_nodes():
     # mpirun --map-by node: ranks 0, 2 on host a; 1, 3 on host b; rank // local_size is wrong.
     rows = [("a", 0, 2, 0), ("b", 0, 2, 0), ("a", 1, 2, 1), ("b", 1, 2, 1)]
-    w, local, cross = rt._layout(_world(1, 4, 0, 2, 0, 2, "b", True), _Rows(1, rows))
+    world = _world(1, 4, 0, 2, 0, 2, "b", True)
+    assert layout_row(world) == rows[1]  # what this rank tells the others
+    w, local, cross = node_layout(world, rows)
     assert (w.cross_rank, w.cross_size, w.cross_derived) == (1, 2, False)
     assert "node layout measured from host names" in w.notes
     assert local == [[0, 2], [1, 3]] and cross == [[0, 1], [2, 3]]
@@ -253,12 +256,11 @@ def test_layout_measures_derived_nodes():
 def test_layout_keeps_launcher_values():
     # Two "nodes" on one host (torchrun/horovodrun said so): the launcher wins over host names.
     rows = [("h", 0, 2, 0), ("h", 1, 2, 0), ("h", 0, 2, 1), ("h", 1, 2, 1)]
-    w, local, cross = rt._layout(_world(2, 4, 0, 2, 1, 2, "h", False, Launcher.TORCHRUN),
-                                 _Rows(2, rows))
+    w, local, cross = node_layout(_world(2, 4, 0, 2, 1, 2, "h", False, Launcher.TORCHRUN), rows)
     assert (w.cross_rank, w.cross_size) == (1, 2)
     assert local == [[0, 1], [2, 3]] and cross == [[0, 2], [1, 3]]
     # Derived values that disagree with the host names are kept, with a note.
-    w, _, _ = rt._layout(_world(2, 4, 0, 2, 1, 2, "h", True), _Rows(2, rows))
+    w, _, _ = node_layout(_world(2, 4, 0, 2, 1, 2, "h", True), rows)
     assert any("host names disagree" in n for n in w.notes)
 
 
@@ -266,16 +268,16 @@ def test_layout_rejects_inconsistent_launchers():
     rows = [("h", 0, 2, 0), ("h", 0, 2, 0)]  # two local rank 0 on one node
     with pytest.raises(ConfigError, match=r"rank 1 says it is local rank 0 of 2 on node 0, but "
                                           r"the ranks on node 0 are \[0, 1\]"):
-        rt._layout(_world(0, 2, 0, 2, 0, 1, "h", False, Launcher.TORCHRUN), _Rows(0, rows))
+        node_layout(_world(0, 2, 0, 2, 0, 1, "h", False, Launcher.TORCHRUN), rows)
 
 
 def test_sub_transports_split_in_order():
     tr = _Rows(0, [("a", 0, 2, 0)] * 4)
-    local, cross = rt._sub_transports(tr, [[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    local, cross = factory.sub_transports(tr, [[0, 1], [2, 3]], [[0, 2], [1, 3]])
     assert tr.splits == [[[0, 1], [2, 3]], [[0, 2], [1, 3]]]  # local first, then cross
-    local, cross = rt._sub_transports(tr, [[0, 1, 2, 3]], [[0], [1], [2], [3]])
+    local, cross = factory.sub_transports(tr, [[0, 1, 2, 3]], [[0], [1], [2], [3]])
     assert local is tr and cross.size == 1
-    local, cross = rt._sub_transports(tr, [[0], [1], [2], [3]], [[0, 1, 2, 3]])
+    local, cross = factory.sub_transports(tr, [[0], [1], [2], [3]], [[0, 1, 2, 3]])
     assert local.size == 1 and cross is tr
 
 
@@ -407,7 +409,7 @@ def test_exit_under_mpi_closes_unless_failing(monkeypatch, failing):
     """A normal exit joins the engine's threads (else a Gloo thread releasing a tensor
     during interpreter finalization aborts the process); a failing exit leaves the
     sockets to MPI_Abort, so the failing rank's exit code is the job's."""
-    import cgx.rendezvous as rdv
+    import cgx.launch.rendezvous as rdv
     from cgx.config import TransportKind
 
     tr = _ClosingTransport()
