@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 TTY_VAR = "CGXRUN_TTY"  # set by cgxrun: "1" when its own stderr is a terminal
 
@@ -93,10 +93,19 @@ class LinePump:
         self._thread.join(timeout)
 
 
+_rank_source: Optional[Callable[[], Optional[int]]] = None  # set by cgx.runtime at import
+
+
+def set_rank_source(source: Callable[[], Optional[int]]) -> None:
+    """Where :func:`progress` learns this process's rank (None: not known yet)."""
+    global _rank_source
+    _rank_source = source
+
+
 def _rank() -> int:
-    from cgx import runtime
-    if runtime.is_initialized():
-        return runtime.rank()
+    known = _rank_source() if _rank_source is not None else None
+    if known is not None:
+        return known
     for var in ("HOROVOD_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])

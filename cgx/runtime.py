@@ -60,6 +60,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Optional, Union
 
+from cgx import console
 from cgx.comm import factory
 from cgx.config import Config, TransportKind
 from cgx.errors import NotInitializedError
@@ -242,6 +243,9 @@ def _at_exit() -> None:
 def is_initialized() -> bool:
     """True between :func:`init` and :func:`shutdown`."""
     return _state is not None
+
+
+console.set_rank_source(lambda: _state.world.rank if _state is not None else None)
 
 
 def _get(what: str) -> _State:
