@@ -350,7 +350,7 @@ class GradientPlan:
 
     def _reduce_family(self, red, comp, ws: list, names: list) -> None:
         """Top-k or PowerSGD tensors in as few collectives as the family allows, in place;
-        the bytes sent go into the reducer's statistics."""
+        counted in the reducer's statistics (the bytes sent by the transport itself)."""
         pre, post = 1.0 / self.predivide, self.predivide
         if pre != 1.0:
             for w in ws:
@@ -360,14 +360,12 @@ class GradientPlan:
             w.copy_(o.view_as(w))
             if post != 1.0:
                 w.mul_(post)
-        inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
-        if not hasattr(inner, "bytes_sent"):  # a user's compressor: its bytes are unknown
-            return
-        sent = inner.bytes_sent(ws, names, red.transport.size)
         from cgx.collectives.reducer import ReduceStats
-        red.add_stats(ReduceStats(calls=1, numel=sum(w.numel() for w in ws),
+        numel, world = sum(w.numel() for w in ws), red.transport.size
+        red.add_stats(ReduceStats(calls=1, numel=numel,
                                   input_bytes=sum(w.numel() * w.element_size() for w in ws),
-                                  wire_bytes=sent))
+                                  seconds={"_fp32_wire": float(2 * (world - 1) * 4 * numel
+                                                               // world)}))
 
     def _reduce_auto(self, red, work: list, idx: list, step: int, shadow: bool,
                      name: str) -> None:

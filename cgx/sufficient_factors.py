@@ -91,7 +91,7 @@ def exchange_layer(cap: Capture, weight: torch.Tensor, transport, passes: int, a
         passes: backward passes per step (the optimizer's ``backward_passes_per_step``).
         average: divide by the number of ranks.
         plain: ``plain()`` reduces this weight's (and bias's) gradient the ordinary way.
-        record: ``record(ReduceStats)`` adds the bytes this rank sent to cgx's statistics.
+        record: ``record(ReduceStats)`` counts the layer in cgx's statistics.
         choose: ``choose(name, rows, ranks, out_features, in_features)`` -> send this layer
             as factors? (default: Poseidon's rule, :func:`worth_it`); it must decide the same
             on every rank (the planned exchange's plan does).
@@ -148,7 +148,7 @@ def gathered(transport, pairs, out_features: int, in_features: int, rows: int,
         return None
     dy, x = gather(transport, pairs, m, n, counts)
     if record is not None:
-        record(factor_stats(P, k, m, n, bias))
+        record(factor_stats(P, m, n, bias))
     return (dy / P if average else dy), x
 
 
@@ -192,14 +192,14 @@ def gather(transport, pairs, out_features: int, in_features: int,
     return recv[:, :m], recv[:, m:]
 
 
-def factor_stats(ranks: int, rows: int, out_features: int, in_features: int, bias: bool):
-    """cgx's statistics for one layer sent as factors: what this rank sent (its padded
-    block to the other ranks) against what the float32 gradient would have needed."""
+def factor_stats(ranks: int, out_features: int, in_features: int, bias: bool):
+    """cgx's statistics for one layer sent as factors: the gradient's values and what
+    their float32 allreduce would have sent (the bytes the factors took are counted
+    by the transport)."""
     from cgx.collectives.reducer import ReduceStats
     P, m, n = ranks, out_features, in_features
-    sent = (P - 1) * (4 * rows * (m + n) + 16)
     numel = m * n + (m if bias else 0)
-    return ReduceStats(calls=1, numel=numel, input_bytes=4 * numel, wire_bytes=sent,
+    return ReduceStats(calls=1, numel=numel, input_bytes=4 * numel,
                        seconds={"_fp32_wire": float(2 * (P - 1) * 4 * numel // P)})
 
 

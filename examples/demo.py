@@ -75,6 +75,8 @@ def train(cfg: Config, compression, label: str):
     after = hvd.stats()
     with torch.no_grad():
         acc = (model(test_x).argmax(1) == test_y).float().mean().item()
+    # Bytes this rank handed to cgx's transport, counted there: the gradients as they
+    # travel (compressed codes, padding) and the optimizer's small per-step status exchange.
     wire = (after.wire_bytes - before.wire_bytes) / steps
     # Every rank ends with identical weights: check it, it is cheap here.
     flat = torch.cat([p.detach().view(-1) for p in model.parameters()])
@@ -98,7 +100,8 @@ def main():
             print(f"| {r['label']:28s} | {r['bytes'] / 1e3:16.1f} kB | {base / r['bytes']:4.1f}x | "
                   f"{r['step_ms']:6.1f} ms | {100 * r['acc']:12.1f}% | "
                   f"{'yes' if r['identical'] else 'NO':15s} |")
-        print("\nbytes: what this rank put on the wire per step; the ratio is against fp32.")
+        print("\nbytes: what this rank handed to the transport per step, counted there (TCP/IP "
+              "headers not included);\nthe ratio is against fp32.")
         print("Here the ranks share one machine, so the link is not the bottleneck and step "
               "time\ndoes not improve; on a slow link it does: see benchmarks/allreduce.py "
               "and README.md.")

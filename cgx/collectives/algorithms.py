@@ -231,18 +231,3 @@ def programs(algorithm: ReductionType, ctx: ReduceContext, plan: Plan) -> Iterat
                          f"over {ctx.transport.size} ranks")
     make = _PROGRAMS[algorithm]
     return (make(ctx, b) for b in plan.blocks)
-
-
-def wire_bytes_sent(algorithm: ReductionType, plan: Plan, world_size: int) -> int:
-    """Bytes one rank puts on the wire for ``plan`` (padding included, self-sends excluded)."""
-    W = world_size
-    if W == 1:
-        return 0
-    total = 0
-    for b in plan.blocks:
-        S = b.slot_bytes
-        if algorithm is ReductionType.ALLGATHER:
-            total += (W - 1) * S
-        else:  # SRA (alltoall to peers) and RING (W - 1 hops), then an allgather
-            total += 2 * (W - 1) * S
-    return total

@@ -21,7 +21,7 @@ import zlib
 
 import torch
 
-from cgx.comm.base import ReduceOp, Transport, scale_
+from cgx.comm.base import ReduceOp, Transport, count_sent, scale_
 from cgx.compression import wire
 from cgx.compression.quantization import FLOAT_DTYPES, QuantSpec
 from cgx.collectives.algorithms import ReduceContext, sra_scatter
@@ -44,7 +44,7 @@ def reduce_scatter(tensor: torch.Tensor, transport: Transport, op: ReduceOp, pre
         spec: quantize (float dtypes, op Sum/Average only), or None for exact.
 
     Returns:
-        (rows of the result, bytes this rank sent).
+        (rows of the result, bytes this rank handed to the transport for sending).
     """
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
@@ -73,10 +73,11 @@ def reduce_scatter(tensor: torch.Tensor, transport: Transport, op: ReduceOp, pre
         ctx = ReduceContext([flat], transport, seed=seed, step=step,
                             buffer_id=zlib.crc32(name.encode()) if name else 0,
                             threads=threads)
-        for work in sra_scatter(ctx, block):
-            work.wait()
+        with count_sent() as sent:
+            for work in sra_scatter(ctx, block):
+                work.wait()
         mine = x[starts[r]: starts[r] + counts[r]]
-        return scale_(mine.clone(), scale), (W - 1) * slot
+        return scale_(mine.clone(), scale), sent.total
     # Exact: all-to-all of the row slices, reduced here in rank order.
     send = torch.view_as_real(x) if x.is_complex() else (
         x.to(torch.int32) if x.dtype == torch.bool else x)
@@ -88,13 +89,14 @@ def reduce_scatter(tensor: torch.Tensor, transport: Transport, op: ReduceOp, pre
         out[c * width: c * width + counts[c] * per_row] = \
             src[starts[c] * per_row: (starts[c] + counts[c]) * per_row]
     recv = torch.empty_like(out)
-    if width:
-        transport.alltoall(recv, out)
-        parts = recv.view(W, width)[:, : counts[r] * per_row].contiguous().view(send.dtype)
-        parts = parts.view((W, counts[r]) + tuple(send.shape[1:]))
-    else:  # nothing to move: no rows, or rows of no values
-        parts = torch.zeros((W, counts[r]) + tuple(send.shape[1:]), dtype=send.dtype,
-                            device=x.device)
+    with count_sent() as sent:
+        if width:
+            transport.alltoall(recv, out)
+            parts = recv.view(W, width)[:, : counts[r] * per_row].contiguous().view(send.dtype)
+            parts = parts.view((W, counts[r]) + tuple(send.shape[1:]))
+        else:  # nothing to move: no rows, or rows of no values
+            parts = torch.zeros((W, counts[r]) + tuple(send.shape[1:]), dtype=send.dtype,
+                                device=x.device)
     if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
         red = parts.sum(0, dtype=send.dtype)
     elif op is ReduceOp.MIN:
@@ -108,7 +110,7 @@ def reduce_scatter(tensor: torch.Tensor, transport: Transport, op: ReduceOp, pre
         red = torch.view_as_complex(red.contiguous())
     elif x.dtype == torch.bool:
         red = red != 0
-    return red, (W - 1) * width
+    return red, sent.total
 
 
 def record(reducer, tensor: torch.Tensor, sent: int, t0: float) -> None:

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.comm.base import ReduceOp, Transport, scale_
+from cgx.comm.base import ReduceOp, SentBytes, Transport, count_sent, scale_
 from cgx.compression.quantization import FLOAT_DTYPES, QuantSpec
 from cgx.config import Config, Hierarchy, ReductionType
 from cgx.collectives import algorithms as alg
@@ -49,7 +49,13 @@ class ReduceStats:
         calls: number of allreduce calls.
         numel: values reduced.
         input_bytes: their size as sent uncompressed (dtype bytes).
-        wire_bytes: bytes this rank sent (compressed payloads, padding included).
+        wire_bytes: bytes this rank handed to the transport for sending, counted there
+            (``cgx.comm.base.SentBytes`` says what each collective counts): one call's
+            collectives in a call's statistics; in the totals (``Reducer.snapshot``,
+            ``hvd.stats()``) every collective on the reducer's transports since the
+            reducer was made, the per-step status exchange, consistency checks and
+            planning included.
+        sent: ``wire_bytes`` per collective (``{"allgather": ..., "allreduce": ...}``).
         seconds: time per phase: compress, reduce, decompress, wait (blocked on
             the wire), plain (uncompressed allreduce), total.
         steps: optimizer steps whose exchange finished (totals only).
@@ -63,6 +69,7 @@ class ReduceStats:
     numel: int = 0
     input_bytes: int = 0
     wire_bytes: int = 0
+    sent: dict = dataclasses.field(default_factory=dict)
     seconds: dict = dataclasses.field(default_factory=dict)
     steps: int = 0
     exposed_seconds: float = 0.0
@@ -73,6 +80,8 @@ class ReduceStats:
         self.numel += other.numel
         self.input_bytes += other.input_bytes
         self.wire_bytes += other.wire_bytes
+        for k, v in other.sent.items():
+            self.sent[k] = self.sent.get(k, 0) + v
         for k, v in other.seconds.items():
             self.seconds[k] = self.seconds.get(k, 0.0) + v
         self.steps += other.steps
@@ -80,12 +89,12 @@ class ReduceStats:
         self.layer_error.update(other.layer_error)
 
     def copy(self) -> "ReduceStats":
-        return dataclasses.replace(self, seconds=dict(self.seconds),
+        return dataclasses.replace(self, sent=dict(self.sent), seconds=dict(self.seconds),
                                    layer_error=dict(self.layer_error))
 
     @property
     def ratio(self) -> float:
-        """Uncompressed wire bytes (ring allreduce) over actual wire bytes."""
+        """The reduced values' bytes in an fp32 ring allreduce over the bytes sent."""
         return self.seconds.get("_fp32_wire", 0.0) / self.wire_bytes if self.wire_bytes else 1.0
 
 
@@ -136,8 +145,9 @@ class Reducer:
                              "of ranks on every node")
         self.timeline = timeline or Timeline(None)
         self.calls = 0  # part of the state: feeds the stochastic-rounding key
-        self.totals = ReduceStats()
+        self.totals = ReduceStats()  # its bytes sent are the transports' counts (snapshot)
         self._totals_lock = threading.Lock()  # the engine adds, the training thread reads
+        self._sent_before = self._sent()  # what the transports had sent before this reducer
         self.board = board
         self._engine: Optional[Engine] = None
 
@@ -210,22 +220,24 @@ class Reducer:
         plain = [i for i in range(len(tensors)) if i not in compressed]
         buffer_id = zlib.crc32(name.encode()) if name else 0
         fp32_wire = 0
-        if comp and world > 1:
-            views = [tensors[i].view(-1) for i in comp]
-            segs = tuple((v.numel(), specs[i]) for v, i in zip(views, comp))
-            res = self._check_residuals(residuals, tensors, comp, algorithm)
-            stats.wire_bytes += self._compressed(views, segs, algorithm, scale, buffer_id, timer,
-                                                 res, self.calls if step is None else step)
-            if res is not None:
-                _sanitize_residuals(res)
-            fp32_wire += _plain_wire_bytes(sum(v.numel() * 4 for v in views), world)
-        elif comp and scale != 1.0:
-            for i in comp:
-                scale_(tensors[i], scale)
-        if plain:
-            with timer.time("plain"):
-                stats.wire_bytes += self._plain([tensors[i] for i in plain], op, scale)
-            fp32_wire += _plain_wire_bytes(sum(tensors[i].numel() * 4 for i in plain), world)
+        with count_sent() as sent:
+            if comp and world > 1:
+                views = [tensors[i].view(-1) for i in comp]
+                segs = tuple((v.numel(), specs[i]) for v, i in zip(views, comp))
+                res = self._check_residuals(residuals, tensors, comp, algorithm)
+                self._compressed(views, segs, algorithm, scale, buffer_id, timer, res,
+                                 self.calls if step is None else step)
+                if res is not None:
+                    _sanitize_residuals(res)
+                fp32_wire += _plain_wire_bytes(sum(v.numel() * 4 for v in views), world)
+            elif comp and scale != 1.0:
+                for i in comp:
+                    scale_(tensors[i], scale)
+            if plain:
+                with timer.time("plain"):
+                    self._plain([tensors[i] for i in plain], op, scale)
+                fp32_wire += _plain_wire_bytes(sum(tensors[i].numel() * 4 for i in plain), world)
+        stats.wire_bytes, stats.sent = sent.total, dict(sent.by_collective)
         self.calls += 1
         stats.numel = sum(t.numel() for t in tensors)
         stats.input_bytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -243,14 +255,27 @@ class Reducer:
     # -- statistics (thread-safe) ----------------------------------------------------
 
     def add_stats(self, stats: ReduceStats) -> None:
-        """Add to the totals (any thread)."""
+        """Add to the totals (any thread); bytes sent are not taken from ``stats``, the
+        totals' come from the transports (see :meth:`snapshot`)."""
         with self._totals_lock:
-            self.totals.add(stats)
+            self.totals.add(dataclasses.replace(stats, wire_bytes=0, sent={}))
 
     def snapshot(self) -> ReduceStats:
-        """A consistent copy of the totals (any thread)."""
+        """A consistent copy of the totals (any thread). Bytes sent: what this rank handed
+        to the reducer's transports since the reducer was made, counted by the transports
+        (every collective on them, by whichever code issued it)."""
         with self._totals_lock:
-            return self.totals.copy()
+            out = self.totals.copy()
+        sent = self._sent() - self._sent_before
+        out.wire_bytes, out.sent = sent.total, dict(sent.by_collective)
+        return out
+
+    def _sent(self) -> SentBytes:
+        out = SentBytes()
+        for t in {id(t): t for t in (self.transport, self.local, self.cross)
+                  if t is not None}.values():
+            out = out + t.sent_bytes()
+        return out
 
     def allreduce_async(self, tensors: Sequence[torch.Tensor],
                         specs: Optional[Sequence[Optional[QuantSpec]]] = None,
@@ -316,10 +341,9 @@ class Reducer:
         smallest = min(largest, MIN_BLOCK_BYTES // 4)
         return max(smallest, min(largest, -(-total // PIPELINE_BLOCKS)))
 
-    def _run(self, algorithm, ctx, segs, world) -> int:
+    def _run(self, algorithm, ctx, segs, world) -> None:
         plan = make_plan(segs, alg.chunks_per_block(algorithm, world), self._block_numel(segs))
         pipeline.run(alg.programs(algorithm, ctx, plan), PIPELINE_DEPTH, ctx.timer)
-        return alg.wire_bytes_sent(algorithm, plan, world)
 
     def _ctx(self, views, transport, scale, buffer_id, timer, step) -> alg.ReduceContext:
         return alg.ReduceContext(views, transport, scale=scale, seed=self.config.seed,
@@ -349,11 +373,12 @@ class Reducer:
         return out
 
     def _compressed(self, views, segs, algorithm, scale, buffer_id, timer, residuals,
-                    step) -> int:
+                    step) -> None:
         if not self.hierarchical:
             ctx = self._ctx(views, self.transport, scale, buffer_id, timer, step)
             ctx.residuals = residuals
-            return self._run(algorithm, ctx, segs, self.transport.size)
+            self._run(algorithm, ctx, segs, self.transport.size)
+            return
         # Hierarchical: reduce-scatter inside the node, reduce this rank's slice
         # across nodes, allgather inside the node. Keys differ per phase.
         local, cross = self.local, self.cross
@@ -363,16 +388,15 @@ class Reducer:
         pieces = [p for b in plan.blocks for p in b.chunks[local.rank]]
         cviews = [lctx.values(p) for p in pieces]
         cctx = self._ctx(cviews, cross, scale, buffer_id * 3 + 1, timer, step)
-        sent = self._run(self.config.cross_reduction, cctx,
-                         tuple((p.numel, p.spec) for p in pieces), cross.size)
+        self._run(self.config.cross_reduction, cctx, tuple((p.numel, p.spec) for p in pieces),
+                  cross.size)
         gctx = self._ctx(views, local, 1.0, buffer_id * 3 + 2, timer, step)
         pipeline.run((alg.sra_gather(gctx, b, local.rank) for b in plan.blocks),
                      PIPELINE_DEPTH, timer)
-        return sent + alg.wire_bytes_sent(ReductionType.SRA, plan, local.size)
 
-    def _plain(self, tensors, op, scale) -> int:
+    def _plain(self, tensors, op, scale) -> None:
         """Exact reduction, fused per dtype into buffers of at most the fusion size."""
-        sent, limit = 0, self.config.fusion_buffer_bytes
+        limit = self.config.fusion_buffer_bytes
         engine_op = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
         groups: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         filled: dict[torch.dtype, int] = {}  # bytes in each dtype's last bin
@@ -396,12 +420,9 @@ class Reducer:
                     buf.to(torch.int32) if buf.dtype == torch.bool else buf)
                 if self.transport.size > 1:
                     self.transport.allreduce(wire, engine_op)
-                    sent += _plain_wire_bytes(buf.numel() * buf.element_size(),
-                                              self.transport.size)
                 scale_(wire, scale)
                 if wire is not buf and wire.data_ptr() != buf.data_ptr():
                     buf.copy_(wire != 0 if buf.dtype == torch.bool else wire)
                 if len(group) > 1:
                     for t, part in zip(group, buf.split([t.numel() for t in group])):
                         t.view(-1).copy_(part)
-        return sent

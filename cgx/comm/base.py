@@ -12,14 +12,24 @@ Rules every implementation follows:
   tensors); ``allreduce`` and ``broadcast`` take any dtype the engine supports.
 * With ``async_op=True`` a :class:`Work` is returned and the tensors must not
   be touched until ``wait()`` returns; otherwise the call blocks and returns None.
+
+What a rank sends is counted here, once for every implementation: each collective a
+transport class defines is wrapped (``Transport.__init_subclass__``) so that the bytes
+handed to it are added to the transport's totals (:meth:`Transport.sent_bytes`) and to
+every :func:`count_sent` block open on the calling thread. :class:`SentBytes` defines
+what each collective counts.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
+import dataclasses
 import enum
+import functools
 import pickle
-from typing import Any, Optional, Sequence
+import threading
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -82,6 +92,143 @@ class CompletedWork(Work):
         return True
 
 
+# -- what a rank sends ----------------------------------------------------------------
+
+COLLECTIVES = ("alltoall", "allgather", "allreduce", "broadcast", "sendrecv")
+
+
+@dataclasses.dataclass
+class SentBytes:
+    """Bytes this rank handed to transports for sending, per collective.
+
+    ``n`` is the size of the tensor handed over, in the dtype the engine moves it in
+    (a dtype the engine cannot take travels widened: see :attr:`Transport.widened`),
+    and ``W`` the group's size; a group of one rank sends nothing. Per call:
+
+    * ``alltoall(output, input)``: ``(W - 1) / W * n``, the chunks for the other
+      ranks (a rank's own chunk stays);
+    * ``allgather(output, input)``: ``(W - 1) * n``: every other rank needs this
+      rank's input, and the engines' algorithms (a ring in Gloo and NCCL, a ring or
+      recursive doubling in MPI) have each rank transmit ``W - 1`` input-sized blocks
+      (its own and those it forwards), not one;
+    * ``allreduce(tensor)``: ``2 * (W - 1) / W * n`` (integer division), the ring
+      allreduce of Gloo, NCCL and MPI's large buffers: a reduce-scatter and an
+      allgather of ``n / W``-byte chunks;
+    * ``broadcast(tensor, root)``: ``(W - 1) * n`` on the root, 0 on the others (one
+      copy per receiver; a tree relays some copies through other ranks, which moves
+      the same total);
+    * ``sendrecv(send, dst, ...)``: ``n`` of ``send``.
+
+    ``barrier`` and ``split`` hand over no payload. Headers and the engine's own
+    control messages are not counted (a network interface also carries TCP/IP
+    headers). Everything else is what the caller handed over, padding included.
+
+    Attributes:
+        by_collective: bytes per collective name (keys from ``COLLECTIVES``).
+    """
+
+    by_collective: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_collective.values())
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.by_collective[kind] = self.by_collective.get(kind, 0) + nbytes
+
+    def __add__(self, other: "SentBytes") -> "SentBytes":
+        out = SentBytes(dict(self.by_collective))
+        for k, v in other.by_collective.items():
+            out.add(k, v)
+        return out
+
+    def __sub__(self, other: "SentBytes") -> "SentBytes":
+        out = SentBytes(dict(self.by_collective))
+        for k, v in other.by_collective.items():
+            out.add(k, -v)
+        return out
+
+
+_local = threading.local()  # per thread: open count_sent() meters, and the call in progress
+_totals_lock = threading.Lock()  # transports' totals (several threads may issue collectives)
+
+
+@contextlib.contextmanager
+def count_sent() -> Iterator[SentBytes]:
+    """Count the bytes this thread hands to any transport inside the block.
+
+    Blocks nest (each counts everything inside it); other threads' collectives are
+    not counted.
+
+    Example::
+
+        with count_sent() as sent:
+            transport.allgather(out, inp)
+        sent.total, sent.by_collective      # (W - 1) * inp's bytes, {"allgather": ...}
+    """
+    meters = getattr(_local, "meters", None)
+    if meters is None:
+        meters = _local.meters = []
+    meter = SentBytes()
+    meters.append(meter)
+    try:
+        yield meter
+    finally:
+        meters.remove(meter)
+
+
+def _nbytes(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> int:
+    return t.numel() * (dtype or t.dtype).itemsize
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str):
+    return args[i] if len(args) > i else kwargs[name]
+
+
+def _bytes_to_send(transport: "Transport", kind: str, args: tuple, kwargs: dict) -> int:
+    """What one call sends from this rank (see :class:`SentBytes`)."""
+    W = transport.size
+    if W <= 1:
+        return 0
+    if kind == "alltoall":
+        return (W - 1) * _nbytes(_arg(args, kwargs, 1, "input")) // W
+    if kind == "allgather":
+        return (W - 1) * _nbytes(_arg(args, kwargs, 1, "input"))
+    if kind == "allreduce":
+        t = _arg(args, kwargs, 0, "tensor")
+        return 2 * (W - 1) * _nbytes(t, transport.widened.get(kind, {}).get(t.dtype)) // W
+    if kind == "broadcast":
+        t, root = _arg(args, kwargs, 0, "tensor"), _arg(args, kwargs, 1, "root")
+        wide = transport.widened.get(kind, {}).get(t.dtype)
+        return (W - 1) * _nbytes(t, wide) if root == transport.rank else 0
+    send, dst = _arg(args, kwargs, 0, "send"), _arg(args, kwargs, 1, "dst")
+    return _nbytes(send) if dst != transport.rank else 0
+
+
+def _counted(kind: str, fn):
+    """``fn`` (a transport's collective), counting what each call hands over once it
+    returned (a call that raised sent nothing). A collective that a transport builds
+    from its own collectives is counted once, by the outer call."""
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        if getattr(_local, "inside", False):
+            return fn(self, *args, **kwargs)
+        _local.inside = True
+        try:
+            result = fn(self, *args, **kwargs)
+        finally:
+            _local.inside = False
+        nbytes = _bytes_to_send(self, kind, args, kwargs)
+        with _totals_lock:
+            self.__dict__.setdefault("_sent_totals", SentBytes()).add(kind, nbytes)
+        for meter in getattr(_local, "meters", ()):
+            meter.add(kind, nbytes)
+        return result
+
+    call.counts_sent = True
+    return call
+
+
 class Transport(abc.ABC):
     """Collectives over a fixed group of ranks.
 
@@ -91,12 +238,31 @@ class Transport(abc.ABC):
         device: where tensors handed to this transport must live
             (``cpu`` for Gloo/MPI, the local ``cuda`` device for NCCL).
         name: short engine name for logs and benchmark tables.
+        widened: per collective, the dtypes the engine cannot take and the wider
+            dtype the transport hands it instead (``{"allreduce": {torch.int16:
+            torch.int32}}``): what is sent is counted in that dtype.
     """
 
     rank: int
     size: int
     device: torch.device
     name: str = "transport"
+    widened: dict = {}
+
+    def __init_subclass__(cls, **kwargs):
+        """Every collective a transport class defines counts what it is handed
+        (see :class:`SentBytes`): written once here, for every implementation."""
+        super().__init_subclass__(**kwargs)
+        for kind in COLLECTIVES:
+            fn = cls.__dict__.get(kind)
+            if callable(fn) and not getattr(fn, "counts_sent", False):
+                setattr(cls, kind, _counted(kind, fn))
+
+    def sent_bytes(self) -> SentBytes:
+        """Everything this rank handed to this transport for sending so far (a copy)."""
+        with _totals_lock:
+            mine = self.__dict__.get("_sent_totals")
+            return SentBytes(dict(mine.by_collective) if mine is not None else {})
 
     @abc.abstractmethod
     def alltoall(self, output: torch.Tensor, input: torch.Tensor,

@@ -144,6 +144,7 @@ class HorovodTransport(Transport):
     """
 
     name = "horovod"
+    widened = {"allreduce": _REDUCE_VIA, "broadcast": _REDUCE_VIA}
 
     def __init__(self, process_set=None):
         hvd = import_horovod()

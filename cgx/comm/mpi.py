@@ -38,6 +38,8 @@ from cgx.comm.base import ReduceOp, Transport, Work, scale_
 from cgx.errors import MissingDependencyError
 
 _TAG = 0x6367  # tag of sendrecv messages ("cg")
+# MPI has no 16-bit float type or operation: reduced in a float32 copy.
+_REDUCE_VIA = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
 def import_mpi():
@@ -118,6 +120,7 @@ class MPITransport(Transport):
     """
 
     name = "mpi"
+    widened = {"allreduce": _REDUCE_VIA}
 
     def __init__(self, comm: Any = None, device: torch.device | str = "cpu"):
         MPI = import_mpi()
@@ -195,7 +198,7 @@ class MPITransport(Transport):
     def allreduce(self, tensor, op=ReduceOp.SUM, async_op=False):
         if not isinstance(op, ReduceOp):
             raise ValueError(f"unsupported reduce op {op!r}; expected a cgx.comm.base.ReduceOp")
-        if tensor.dtype in (torch.float16, torch.bfloat16):
+        if tensor.dtype in _REDUCE_VIA:
             # MPI has no 16-bit float op: reduce an exact float32 copy, round once.
             buf = tensor.detach().to("cpu", torch.float32, memory_format=torch.contiguous_format,
                                      copy=True)
@@ -274,15 +277,6 @@ class MPITransport(Transport):
         sub = MPITransport(self.comm.Split(color, self.rank), self.device)
         sub._owns_comm = True
         return sub
-
-    # -- object helpers: mpi4py's pickle-based calls are simpler than the defaults --
-
-    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        self._check_rank("broadcast_object root", root)
-        return self.comm.bcast(obj, root=root)
-
-    def allgather_object(self, obj: Any) -> list:
-        return self.comm.allgather(obj)
 
     def close(self) -> None:
         """Free the communicator if ``split`` created it (MPI itself stays up)."""

@@ -57,6 +57,8 @@ class TorchTransport(Transport):
         timeout_s: timeout of the sub-groups ``split()`` creates (None: torch's default).
     """
 
+    widened = {"allreduce": _REDUCE_VIA}
+
     def __init__(self, group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device | str] = None, owns_group: bool = False,
                  timeout_s: Optional[float] = None):

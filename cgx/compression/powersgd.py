@@ -211,12 +211,6 @@ class PowerSGDCompressor(Compressor):
             return math.prod(shape)
         return (shape[0] + math.prod(shape) // shape[0]) * r
 
-    def bytes_sent(self, tensors, names, world: int) -> int:
-        """Bytes one rank sends in :meth:`allreduce_many` of ``tensors`` (float32 factors, or
-        the tensor where it stays whole): ring allreduces, ``2 (W - 1) / W`` of the values."""
-        return 2 * (world - 1) * sum(4 * self.payload_numel(t.shape, n)
-                                     for t, n in zip(tensors, names)) // max(1, world)
-
     def residual(self, name: Optional[str] = None) -> Optional[torch.Tensor]:
         """The (n, m) residual of ``name``, or None."""
         return self._residuals.get(name)

@@ -109,12 +109,6 @@ class TopKCompressor(Compressor):
         k = self.num_selected(numel, name)
         return k * (index_dtype_for(numel, dtype).itemsize + dtype.itemsize)
 
-    def bytes_sent(self, tensors, names, world: int) -> int:
-        """Bytes one rank sends in :meth:`allreduce_many` of ``tensors``: its payloads, each
-        in a 16-byte slot, to the ``world - 1`` others (the allgather)."""
-        return (world - 1) * sum(-(-self.payload_nbytes(t.numel(), t.dtype, n) // 16) * 16
-                                 for t, n in zip(tensors, names))
-
     @staticmethod
     def split(payload: torch.Tensor, ctx: TopKContext):
         """``(indices, values)`` views of a payload (see the module docstring's layout)."""
