@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from cgx.console import progress
 
-from cgx.compression import cpu, wire
+from cgx.quant import cpu, wire
 from cgx.kernels import reference
 
 BUCKET = 1024

@@ -34,7 +34,7 @@ import os
 import re
 from typing import Any, Mapping, Optional, Sequence
 
-from cgx.compression.quantization import QuantSpec
+from cgx.quant.codec import QuantSpec
 from cgx.config import Config, Rounding, validate_bits, validate_bucket_size
 from cgx.errors import ConfigError
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from cgx.compression import wire
+from cgx.quant import wire
 from cgx.errors import MissingDependencyError
 from cgx.kernels import quantize as _q
 from cgx.kernels.quantize import _load_f32, _store_f32

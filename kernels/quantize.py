@@ -9,7 +9,7 @@ a second one (reading the bucket again, from L2) to quantize.
 Bit-exact with ``cgx.kernels.reference`` (the executable spec): float64 for the
 unit, IEEE ``1 / unit`` (``div_rn``), no FMA contraction (the launch passes
 ``enable_fp_fusion=False``), clamp then truncate, and the counter-based hash
-of ``cgx.compression.wire`` for stochastic rounding. bfloat16 is converted by
+of ``cgx.quant.wire`` for stochastic rounding. bfloat16 is converted by
 hand (round to nearest even, NaN -> 0x7FC0, like torch) because Triton's
 interpreter truncates in ``.to(tl.bfloat16)``.
 
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from cgx.compression import wire
+from cgx.quant import wire
 from cgx.errors import MissingDependencyError
 
 try:

@@ -2,14 +2,14 @@
 
 Readable, vectorized, slow: this is the executable spec that the Triton
 kernels (``quantize.py``, ``dequantize.py``) and the C CPU path
-(``cgx/csrc``) are tested against, bit for bit. See ``cgx.compression.wire``.
+(``cgx/csrc``) are tested against, bit for bit. See ``cgx.quant.wire``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cgx.compression import wire
+from cgx.quant import wire
 
 _M32 = wire.MASK32
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cgx.compression import wire
+from cgx.quant import wire
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ALL_BITS = tuple(range(1, 9))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cgx.config import Config, Rounding, ReductionType, Hierarchy
-from cgx.compression.quantization import QuantSpec
+from cgx.quant.codec import QuantSpec
 from spawn import run_gloo
 
 NEAREST, STOCH = Rounding.NEAREST, Rounding.STOCHASTIC

@@ -17,7 +17,7 @@ from cgx.compression import (BF16Compressor, Compression, Compressor, Compressor
                              PowerSGDCompressor, QuantizeCompressor, TopKCompressor,
                              as_compressor, stable_tensor_id)
 from cgx.compression.casts import CastContext
-from cgx.compression.quantizer import QuantizeContext
+from cgx.compression.quantize import QuantizeContext
 from cgx.config import Rounding
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,4 +1,4 @@
-"""The fused C CPU path (cgx._cquant via cgx.compression.cpu) against the torch reference.
+"""The fused C CPU path (cgx._cquant via cgx.quant.cpu) against the torch reference.
 
 Bit-exact for nearest and stochastic rounding, every dtype and bit width,
 irregular sizes, both instruction-set builds (AVX2 and generic), any number of
@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgx.compression import cpu, wire
+from cgx.quant import cpu, wire
 from cgx.errors import CGXError
 from cgx.kernels import reference
 
@@ -319,7 +319,7 @@ def test_module_is_a_legal_extension():
 
 def test_public_api_passes_threads_to_the_c_path():
     """quantization.quantize/dequantize(threads=2) (CGX_CPU_THREADS) give the same bytes."""
-    from cgx.compression.quantization import QuantSpec, dequantize, quantize
+    from cgx.quant.codec import QuantSpec, dequantize, quantize
     from cgx.config import Rounding
 
     x = torch.randn(300_000, generator=torch.Generator().manual_seed(3))

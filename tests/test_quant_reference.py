@@ -13,8 +13,9 @@ import warnings
 import pytest
 import torch
 
-from cgx.compression import cpu, quantization, wire
-from cgx.compression.quantization import QuantSpec, dequantize, quantize
+from cgx.quant import codec as quantization
+from cgx.quant import cpu, wire
+from cgx.quant.codec import QuantSpec, dequantize, quantize
 from cgx.config import Rounding
 from cgx.errors import ConfigError
 from cgx.kernels import reference

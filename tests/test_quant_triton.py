@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from cgx.compression import wire
+from cgx.quant import wire
 from cgx.kernels import dequantize as tdq
 from cgx.kernels import quantize as tq
 from cgx.kernels import reference
@@ -266,7 +266,7 @@ def test_gpu_large_bit_exact(dtype):
 @pytest.mark.gpu
 @gpu
 def test_gpu_wide_buckets_and_c_path_agree():
-    from cgx.compression import cpu
+    from cgx.quant import cpu
     n = (1 << 20) + 3
     x = randn(n, seed=9)
     for bucket in (8, 1000, 8192, 1 << 16):  # one program per few buckets .. chunked buckets

@@ -19,7 +19,7 @@ import enum
 import math
 from typing import Sequence
 
-from cgx.compression.quantization import QuantSpec
+from cgx.quant.codec import QuantSpec
 from cgx.config import Rounding
 
 DEFAULT_BITS = (2, 3, 4, 5, 6, 8)

@@ -57,7 +57,7 @@ def _native_knapsack():
     global _native
     with _native_lock:
         if _native is None:
-            from cgx.compression import cpu
+            from cgx.quant import cpu
             lib = cpu._load()
             fn = getattr(lib, "cgx_knapsack", None) if lib is not None else None
             if fn is not None:

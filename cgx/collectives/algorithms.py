@@ -55,12 +55,15 @@ class ReduceContext:
         timer: where phase times are summed.
         backend: quantization backend (see ``cgx.compression.quantization.Backend``).
         residuals: optional error-feedback memory, one float32 tensor per entry of
-            ``tensors`` (same numel). A rank's residual holds, for the chunks it
-            quantizes for peers, what that quantization dropped (input units),
-            and for the chunk it owns, what the final requantization dropped
-            (output units); both are added back before the next quantization
-            of the same values, so the dropped parts telescope instead of
-            accumulating.
+            ``tensors`` (same numel), always in input units (this rank's values as
+            given): for the chunks it quantizes for peers, what that quantization
+            dropped; for the chunk it owns, what the final requantization dropped,
+            divided by ``scale``. Both are added back (times ``scale`` for the owned
+            chunk) before the next quantization, so the dropped parts telescope
+            instead of accumulating; and because no value is in output units, a
+            residual stays valid when the chunk boundaries move (another set of
+            tensors fused, another world size) or is added to the next gradient
+            when its tensor travels exact.
     """
 
     tensors: Sequence[torch.Tensor]
@@ -83,12 +86,14 @@ class ReduceContext:
         return self.tensors[p.segment][p.offset: p.offset + p.numel]
 
     def compress(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int, stage: int,
-                 write_back: bool = False) -> None:
+                 write_back: bool = False, unit: float = 1.0) -> None:
         """Quantize ``pieces`` into ``buf``; ``write_back`` leaves their decoded values behind.
 
         With residuals, the values are first corrected by the residual and always
         written back (callers only quantize values they overwrite later anyway),
-        and the residual becomes what this quantization dropped.
+        and the residual becomes what this quantization dropped. ``unit``: the
+        values are ``unit`` times input units (the owner's scaled sum); the
+        residual stays in input units (one more pass over the piece).
         """
         key = self.key(stage)
         for p in pieces:
@@ -99,11 +104,17 @@ class ReduceContext:
                          write_back=write_back, backend=self.backend, threads=self.threads)
                 continue
             e = self.residuals[p.segment][p.offset: p.offset + p.numel]
-            e.add_(x)  # e = v = x + old residual (3 extra passes: only with error feedback)
-            x.copy_(e)
+            if unit == 1.0:
+                e.add_(x)  # e = v = x + old residual (3 extra passes: only with error feedback)
+                x.copy_(e)
+            else:
+                x.add_(e, alpha=unit)
+                e.copy_(x)
             quantize(x, p.spec, out=out, key=key, index_offset=p.index, write_back=True,
                      backend=self.backend, threads=self.threads)
             e.sub_(x)  # e = v - decoded(v)
+            if unit != 1.0:
+                e.div_(unit)
 
     def decode(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int,
                accumulate: bool) -> None:
@@ -167,7 +178,7 @@ def sra_gather(ctx: ReduceContext, block: Block, owned: int, owner_of=None) -> B
     gsend, grecv = ctx.empty(S), ctx.empty(W * S)
     with ctx.timer.time("reduce"):
         ctx.rescale(mine)
-        ctx.compress(mine, gsend, 0, stage=0, write_back=True)
+        ctx.compress(mine, gsend, 0, stage=0, write_back=True, unit=ctx.scale)
     yield t.allgather(grecv, gsend, async_op=True)
     with ctx.timer.time("decompress"):
         for j in range(W):

@@ -21,7 +21,7 @@ import dataclasses
 import functools
 from typing import Optional, Sequence
 
-from cgx.compression.quantization import QuantSpec
+from cgx.quant.codec import QuantSpec
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ from cgx.compression.casts import (BF16Compressor, ExactCompressor, FP16Compress
                                   NoneCompressor)
 from cgx.compression.error_feedback import ErrorFeedback
 from cgx.compression.powersgd import PowerSGDCompressor
-from cgx.compression.quantizer import QuantizeCompressor
+from cgx.compression.quantize import QuantizeCompressor
 from cgx.compression.topk import TopKCompressor
 from cgx.config import Rounding
 

@@ -1,6 +1,6 @@
 """Max-min bucket quantization as a compressor (CGX's scheme).
 
-The encoding is :mod:`cgx.compression.quantization` (wire format v1): per bucket
+The encoding is :mod:`cgx.quant.codec` (wire format v1): per bucket
 of ``bucket_size`` values one float32 (unit, min) pair, then ``bits``-bit codes.
 
 Payload: a uint8 segment of ``wire.packed_nbytes(numel, bits, bucket_size)`` =
@@ -33,10 +33,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from cgx.comm.base import Transport
-from cgx.compression import wire
+from cgx.quant import wire
 from cgx.compression.base import (Compressor, CompressorKind, STATE_FORMAT, check_float_tensor,
                                   check_name, check_state, stable_tensor_id)
-from cgx.compression.quantization import FLOAT_DTYPES, QuantSpec, dequantize, quantize
+from cgx.quant.codec import FLOAT_DTYPES, QuantSpec, dequantize, quantize
 from cgx.config import MAX_BITS, MIN_BITS, Rounding, validate_bucket_size
 from cgx.errors import ConfigError
 

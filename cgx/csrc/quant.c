@@ -3,7 +3,7 @@
  * One pass per bucket: the bucket is read once for min/max and the non-finite
  * check, then again (now from L1/L2) to quantize and pack, so memory traffic is
  * one read of the input and one write of the payload. The arithmetic follows
- * cgx/compression/wire.py bit for bit: float64 unit, IEEE 1/unit, separate
+ * cgx/quant/wire.py bit for bit: float64 unit, IEEE 1/unit, separate
  * float32 multiply and add (setup.py compiles with -ffp-contract=off, so no FMA),
  * clamp then truncate, round-to-nearest-even float16/bfloat16 conversions.
  *

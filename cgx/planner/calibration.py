@@ -144,7 +144,7 @@ def compressor_throughput(numel: int = 1 << 21, bits: int = 4, bucket_size: int 
     ``matmul_flops``, multiply-adds per second of a sufficient-factor rebuild (a
     2048 x 2048 gradient from 16 gathered rows, written in place, as
     ``cgx.sufficient_factors`` does)."""
-    from cgx.compression.quantization import QuantSpec, dequantize, quantize
+    from cgx.quant.codec import QuantSpec, dequantize, quantize
     x = torch.randn(numel, device=device)
     spec = QuantSpec(bits=bits, bucket_size=bucket_size)
     payload = quantize(x, spec)

@@ -12,7 +12,7 @@ it. ``CostModel.contention`` says how much (0: each rank has a spare core). The
 simulator then bounds the step below by the compute plus that work, which the three
 lanes alone cannot see: on a fast link an exact allreduce "hidden" under backward
 still costs its reduction's CPU time. The byte counts are the ones cgx's collectives
-put on the wire (``cgx.compression.wire.packed_nbytes`` for quantized segments), so a
+put on the wire (``cgx.quant.wire.packed_nbytes`` for quantized segments), so a
 plan's predicted traffic is what the statistics will report.
 """
 
@@ -22,7 +22,7 @@ import dataclasses
 import enum
 from typing import Mapping, NamedTuple, Optional
 
-from cgx.compression.wire import packed_nbytes
+from cgx.quant.wire import packed_nbytes
 
 
 class Collective(enum.Enum):

@@ -1,6 +1,6 @@
 """Max-min bucket quantization: the public API every other part of cgx uses.
 
-One call, three implementations of the same wire format (``cgx.compression.wire``):
+One call, three implementations of the same wire format (``cgx.quant.wire``):
 
 * CUDA tensors go through the Triton kernels (``cgx.kernels``);
 * CPU tensors go through the fused C path (``cgx._cquant``), when it is built;
@@ -24,7 +24,7 @@ import torch
 
 from cgx.config import MAX_BITS, MIN_BITS, Rounding, validate_bucket_size
 from cgx.errors import ConfigError
-from cgx.compression import wire
+from cgx.quant import wire
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -119,7 +119,7 @@ def _resolve(backend, device: torch.device) -> Backend:
     if backend is Backend.AUTO:
         if device.type == "cuda":
             return Backend.TRITON
-        from cgx.compression import cpu
+        from cgx.quant import cpu
         if cpu.available():
             return Backend.C
         _warn_reference_fallback(cpu.unavailable_reason())
@@ -156,7 +156,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, out: Optional[torch.Tensor] = 
         out = out[:nbytes]
     impl = _resolve(backend, x.device)
     if impl is Backend.C:
-        from cgx.compression import cpu
+        from cgx.quant import cpu
         return cpu.quantize(x, spec.bits, spec.bucket_size, spec.stochastic, key, index_offset,
                             write_back, out, threads=threads)
     if impl is Backend.TRITON:
@@ -203,7 +203,7 @@ def dequantize(payload: torch.Tensor, numel: int, spec: QuantSpec, *,
             raise ValueError(f"out is on {out.device} but payload on {payload.device}")
     impl = _resolve(backend, payload.device)
     if impl is Backend.C:
-        from cgx.compression import cpu
+        from cgx.quant import cpu
         return cpu.dequantize(payload, numel, spec.bits, spec.bucket_size, out, accumulate,
                               threads=threads)
     if impl is Backend.TRITON:

@@ -6,13 +6,13 @@ call. That is what makes ``threads > 1`` useful: a segment is cut at bucket
 boundaries (buckets start on byte boundaries of the payload, so the pieces
 write disjoint bytes) and the pieces run concurrently on a small thread pool.
 
-Both functions follow ``cgx.compression.wire`` bit for bit (tested against
-``cgx.kernels.reference``). ``cgx.compression.quantization`` is the public API;
+Both functions follow ``cgx.quant.wire`` bit for bit (tested against
+``cgx.kernels.reference``). ``cgx.quant.codec`` is the public API;
 call this module directly only to pick the number of threads.
 
 Example::
 
-    from cgx.compression import cpu
+    from cgx.quant import cpu
     if cpu.available():
         payload = cpu.quantize(x, bits=4, bucket_size=1024, stochastic=False, threads=2)
         y = cpu.dequantize(payload, x.numel(), 4, 1024, out=torch.empty_like(x))
@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from cgx.compression import wire
+from cgx.quant import wire
 from cgx.errors import CGXError
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

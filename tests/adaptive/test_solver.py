@@ -8,7 +8,7 @@ import pytest
 
 from cgx.adaptive import Candidate, Family, candidates_for, solve
 from cgx.compression import Compression
-from cgx.compression.quantization import QuantSpec
+from cgx.quant.codec import QuantSpec
 
 
 def _brute(costs, errors, budget):
