@@ -1,7 +1,8 @@
 """compression="auto" in numbers: solver speed, and bytes vs accuracy against uniform 4-bit.
 
 1. The solver: 300 layers x 20 candidates (costs falling, errors rising with the
-   level, as real layers do), median of repeated solves.
+   level, as real layers do), median of repeated solves, with the C dynamic program
+   (when the extension is built) and with its numpy fallback.
 2. Digits: 2 ranks (Gloo on this machine) train an MLP on scikit-learn's
    digits with fp32, uniform 4-bit (bucket 1024), ``auto`` restricted to each
    family (L-GreCo's single-family modes) and ``auto`` (alpha 1.0, mixed);
@@ -14,6 +15,7 @@
 Usage::
 
     .venv/bin/python benchmarks/adaptive.py [--epochs 8] [--lm-steps 400] [--out docs/results/adaptive]
+    .venv/bin/python benchmarks/adaptive.py --solver-only --out docs/results/adaptive-solver
 
 Writes ``<out>.json`` and ``<out>.md`` and prints the tables.
 """
@@ -38,18 +40,22 @@ AUTO = "auto (alpha 1.0)"  # the mixed mode, auto's default
 
 def bench_solver(layers: int = 300, candidates: int = 20, reps: int = 7) -> dict:
     from cgx.adaptive import solve
+    from cgx.quant import cpu  # the C extension, the knapsack included
     rng = np.random.default_rng(0)
     errors = np.sort(rng.uniform(0, 1, (layers, candidates)), axis=1)
     costs = np.sort(rng.uniform(1, 100, (layers, candidates)), axis=1)[:, ::-1]
     ref = [candidates // 4] * layers
     budget = float(sum(errors[i][j] for i, j in enumerate(ref)))
-    times = []
+    times = {True: [], False: []}  # native (C when built), numpy
     for _ in range(reps):
-        t0 = time.perf_counter()
-        plan = solve(costs, errors, budget, reference=ref)
-        times.append(time.perf_counter() - t0)
+        for native in times:
+            t0 = time.perf_counter()
+            plan = solve(costs, errors, budget, reference=ref, native=native)
+            times[native].append(time.perf_counter() - t0)
     ref_cost = float(sum(costs[i][j] for i, j in enumerate(ref)))
-    return {"layers": layers, "candidates": candidates, "median_ms": 1e3 * statistics.median(times),
+    return {"layers": layers, "candidates": candidates, "c_built": cpu.available(),
+            "median_ms": 1e3 * statistics.median(times[True]),
+            "numpy_median_ms": 1e3 * statistics.median(times[False]),
             "cost_vs_reference": plan.cost / ref_cost, "error_vs_budget": plan.error / budget}
 
 
@@ -211,16 +217,21 @@ def main(argv=None) -> int:
     p.add_argument("--lm-steps", type=int, default=400,
                    help="LM steps per method (0: skip the LM part)")
     p.add_argument("--out", default="docs/results/adaptive")
+    p.add_argument("--solver-only", action="store_true", help="time the solver, nothing else")
     args = p.parse_args(argv)
     solver = bench_solver()
+    lines = ["Solver: %d layers x %d candidates: %.1f ms (median, %s), %.1f ms with the numpy "
+             "fallback; cost %.2f x the uniform reference at %.3f of the error budget" % (
+                 solver["layers"], solver["candidates"], solver["median_ms"],
+                 "C dynamic program" if solver["c_built"] else "C extension not built: numpy",
+                 solver["numpy_median_ms"], solver["cost_vs_reference"],
+                 solver["error_vs_budget"])]
+    if args.solver_only:
+        return _write(args, lines, {"solver": solver}, "one process, 2 cores, no GPU")
     train = bench_training(args.epochs)
     lm = bench_lm(args.lm_steps) if args.lm_steps else {}
-    lines = ["Solver: %d layers x %d candidates: %.1f ms (median); cost %.2f x the uniform "
-             "reference at %.3f of the error budget" % (
-                 solver["layers"], solver["candidates"], solver["median_ms"],
-                 solver["cost_vs_reference"], solver["error_vs_budget"]), "",
-             "| exchange (2 ranks, digits MLP, %d epochs) | bytes sent/step/rank | vs 4-bit | "
-             "test accuracy | test loss |" % args.epochs, "|---|---:|---:|---:|---:|"]
+    lines += ["", "| exchange (2 ranks, digits MLP, %d epochs) | bytes sent/step/rank | vs 4-bit | "
+              "test accuracy | test loss |" % args.epochs, "|---|---:|---:|---:|---:|"]
     base = train["uniform 4-bit"]["bytes_per_step"]
     for m in METHODS:
         r = train[m]
@@ -233,14 +244,23 @@ def main(argv=None) -> int:
                   "cosine learning rate; SGD: lr 0.1, momentum 0.9:", ""] + lm_table(lm)
         lines += ["", "Last auto plan of the LM under AdamW (rank 0):", "",
                   lm["AdamW: auto (alpha 1.0)"]["plan"]]
+    return _write(args, lines, {"solver": solver, "training": train, "lm": lm},
+                  "2 cores, no GPU, 2 ranks on one machine")
+
+
+def _write(args, lines: list, data: dict, where: str) -> int:
+    """Print the tables and write ``<out>.json`` and ``<out>.md`` (which starts with the
+    command, paths relative to the repository)."""
     text = "\n".join(lines)
     print(text)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"solver": solver, "training": train, "lm": lm}, f, indent=1)
+        json.dump(data, f, indent=1)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = [os.path.relpath(a, root) if os.path.isabs(a) else a for a in sys.argv[1:]]
+    command = " ".join([".venv/bin/python benchmarks/adaptive.py", *argv])
     with open(args.out + ".md", "w") as f:
-        f.write(f"`{' '.join([os.path.basename(sys.executable), *sys.argv])}` "
-                "(2 cores, no GPU, 2 ranks on one machine)\n\n" + text + "\n")
+        f.write(f"`{command}` ({where})\n\n" + text + "\n")
     return 0
 
 

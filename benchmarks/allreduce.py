@@ -11,8 +11,11 @@ same buffer, so their figures share the same conditions.
 Per method and size: the time of one allreduce (median over repetitions of
 the slowest rank), the bus bandwidth ``2 (N-1)/N * bytes / time`` of the fp32
 buffer (what an uncompressed ring would have to achieve to match), the
-speedup over Gloo fp32, and for cgx the split of the time into compress,
-reduce (decode + add + requantize), decompress and waiting on the wire.
+speedup over Gloo fp32, for cgx the split of the time into compress,
+reduce (decode + add + requantize), decompress and waiting on the wire, and the
+bytes each rank sent per allreduce twice: as counted (cgx: handed to its transport;
+Gloo: its ring allreduce, ``2 (N-1)/N * bytes``) and as the rank's link carried them
+(its veth's counter, TCP/IP headers and the timing's barrier included).
 Results: ``<out>.json``, ``<out>.md`` and ``<out>.png``.
 """
 
@@ -51,8 +54,10 @@ def rank_main(size_mb: float, methods: list, reps: int, bucket: int, rounding: s
 
     from cgx.collectives import Reducer
     from cgx.comm.torch_dist import TorchTransport
-    from cgx.compression.quantization import QuantSpec
+    from cgx.quant.codec import QuantSpec
     from cgx.config import Config, ReductionType, Rounding
+
+    from benchmarks.netsim import link_tx_bytes
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -68,8 +73,10 @@ def rank_main(size_mb: float, methods: list, reps: int, bucket: int, rounding: s
         reducer = Reducer(transport, Config(pipeline_chunk_mb=pipeline_mb)) if kind == "cgx" \
             else None
         spec = QuantSpec(bits, bucket, Rounding(rounding)) if kind == "cgx" else None
-        times, phases, wire = [], [], 0
+        times, phases, wire, tx0 = [], [], 0, 0
         for i in range(reps + 1):  # the first run warms up
+            if i == 1:
+                tx0 = link_tx_bytes()
             buf = src.clone()
             dist.barrier()
             t0 = time.perf_counter()
@@ -91,6 +98,7 @@ def rank_main(size_mb: float, methods: list, reps: int, bucket: int, rounding: s
                     wire = stats.wire_bytes
         err = (buf - exact).abs().max().item()
         entry = {"times_s": times, "max_abs_error": err,
+                 "link_bytes": (link_tx_bytes() - tx0) / reps,
                  "wire_bytes": wire if kind == "cgx" else
                  int(2 * (world - 1) / world * numel * (4 if bits == 32 else 2))}
         if phases:
@@ -114,6 +122,7 @@ def _summarize(results: list[dict]) -> list[dict]:
                          "time_s": t, "busbw_gbps": 2 * (world - 1) / world * nbytes / t / 1e9,
                          "speedup": base / t if base else None,
                          "wire_mb": m["wire_bytes"] / MB, "max_abs_error": m["max_abs_error"],
+                         "link_mb": m["link_bytes"] / MB if "link_bytes" in m else None,
                          "phases_s": m.get("phases_s")})
     return rows
 
@@ -122,17 +131,19 @@ def _markdown(rows: list[dict], command: str) -> str:
     lines = [f"Command: `{command}`", ""]
     for rate in dict.fromkeys(r["rate"] for r in rows):
         lines += [f"### link: {rate}", "",
-                  "| size | method | time (s) | bus bw (GB/s) | vs gloo fp32 | wire MB/rank | "
-                  "compress / reduce / decompress / wait (s) | max abs err |",
-                  "|---:|---|---:|---:|---:|---:|---|---:|"]
+                  "| size | method | time (s) | bus bw (GB/s) | vs gloo fp32 | wire MB/rank "
+                  "(counted) | MB/rank on the link | compress / reduce / decompress / wait (s) "
+                  "| max abs err |",
+                  "|---:|---|---:|---:|---:|---:|---:|---|---:|"]
         for r in (x for x in rows if x["rate"] == rate):
             ph = r["phases_s"]
             split = " / ".join(f"{ph.get(k, 0):.3f}" for k in
                                ("compress", "reduce", "decompress", "wait")) if ph else "-"
             speed = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+            link = f"{r['link_mb']:.1f}" if r.get("link_mb") is not None else "-"
             lines.append(f"| {r['size_mb']:g} MB | {r['method']} | {r['time_s']:.4f} | "
-                         f"{r['busbw_gbps']:.2f} | {speed} | {r['wire_mb']:.1f} | {split} | "
-                         f"{r['max_abs_error']:.2e} |")
+                         f"{r['busbw_gbps']:.2f} | {speed} | {r['wire_mb']:.1f} | {link} | "
+                         f"{split} | {r['max_abs_error']:.2e} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -7,12 +7,15 @@ per layout).
 
 Usage::
 
-    .venv/bin/python benchmarks/consistency.py [--calls 500]
+    .venv/bin/python benchmarks/consistency.py [--calls 500] [--out docs/results/consistency]
+
+Prints the table and, with ``--out``, writes it to ``<out>.json`` and ``<out>.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -60,13 +63,24 @@ def measure(check: bool, calls: int, numel: int) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--out", help="also write <out>.json and <out>.md")
     args = p.parse_args(argv)
-    print("| allreduce size | check off | check on | added per call |")
-    print("|---:|---:|---:|---:|")
+    lines = ["| allreduce size | check off | check on | added per call |", "|---:|---:|---:|---:|"]
+    print("\n".join(lines))
+    rows = []
     for numel in (256, 262144):
         off, on = measure(False, args.calls, numel), measure(True, args.calls, numel)
-        print(f"| {numel * 4 / 1024:g} KiB | {off * 1e6:.0f} us | {on * 1e6:.0f} us | "
-              f"{(on - off) * 1e6:.0f} us |")
+        rows.append({"bytes": numel * 4, "off_s": off, "on_s": on})
+        lines.append(f"| {numel * 4 / 1024:g} KiB | {off * 1e6:.0f} us | {on * 1e6:.0f} us | "
+                     f"{(on - off) * 1e6:.0f} us |")
+        print(lines[-1])
+    if args.out:
+        with open(args.out + ".json", "w") as f:
+            json.dump({"calls": args.calls, "rows": rows}, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(f"Command: `.venv/bin/python benchmarks/consistency.py --calls {args.calls} "
+                    f"--out {os.path.relpath(args.out)}` (2 ranks, Gloo, one machine; the "
+                    "median latency of one functional allreduce)\n\n" + "\n".join(lines) + "\n")
     return 0
 
 

@@ -5,13 +5,17 @@
 2. Quality: on random small instances (2-5 tensors, 2-8 ranks, 1-25 Gbit/s), the planned
    step against the best of every combination of options (same fusion groups).
 
-    .venv/bin/python benchmarks/planner.py [--instances 300]
+    .venv/bin/python benchmarks/planner.py [--instances 300] [--out docs/results/planner]
+
+Prints both figures and, with ``--out``, writes them to ``<out>.json`` and ``<out>.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import os
 import random
 import statistics
 import sys
@@ -57,13 +61,22 @@ def quality(instances: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--instances", type=int, default=300)
+    p.add_argument("--out", help="also write <out>.json and <out>.md")
     args = p.parse_args(argv)
     d = decision_time()
     q = quality(args.instances)
-    print(f"Decision time, {d['tensors']} tensors ({d['groups']} fusion groups chosen): "
-          f"{d['median_ms']:.1f} ms wall, {d['median_cpu_ms']:.1f} ms CPU (median of 9)")
-    print(f"Against brute force, {q['instances']} random instances: optimal in {q['optimal']}, "
-          f"mean {q['mean']:.4f}x, worst {q['worst']:.4f}x of the best step")
+    lines = [f"Decision time, {d['tensors']} tensors ({d['groups']} fusion groups chosen): "
+             f"{d['median_ms']:.1f} ms wall, {d['median_cpu_ms']:.1f} ms CPU (median of 9)",
+             f"Against brute force, {q['instances']} random instances: optimal in "
+             f"{q['optimal']}, mean {q['mean']:.4f}x, worst {q['worst']:.4f}x of the best step"]
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out + ".json", "w") as f:
+            json.dump({"decision_time": d, "quality": q}, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(f"Command: `.venv/bin/python benchmarks/planner.py --instances "
+                    f"{args.instances} --out {os.path.relpath(args.out)}` (one process)\n\n"
+                    + "\n\n".join(lines) + "\n")
     return 0
 
 

@@ -20,7 +20,11 @@ after backward) and ``keras-cgx-sfb`` (4-bit, the Dense layers' gradients as suf
 factors, exchanged from their custom gradients during backward). Reports
 seconds per step (mean over the timed steps, slowest rank; with ``--rounds N`` every
 method runs N times in turn and the median of the N means is reported) and the bytes
-each rank sends per step, as ``<out>.json``, ``<out>.md`` and ``<out>.png``.
+each rank sends per timed step, twice: as the method counts them (cgx: what each rank
+handed to its transport, ``hvd.stats()``; DDP: its ring allreduce of the gradients) and as
+the rank's link carried them (its veth's counter: TCP/IP headers, the timing's barriers,
+and for DDP PowerSGD its first exact steps included), as ``<out>.json``, ``<out>.md`` and
+``<out>.png``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from typing import Any
 
 from cgx.console import progress
@@ -56,16 +61,21 @@ def vgg11(num_classes: int = 10):
                          nn.Linear(4096, 4096), nn.ReLU(True), nn.Linear(4096, num_classes))
 
 
-def _timed(step, warmup: int, steps: int, counted=None) -> tuple[list[float], Any]:
-    """Run ``warmup + steps`` steps; per timed step the slowest rank's seconds. With
-    ``counted`` (cgx.torch or cgx.tensorflow), also the bytes sent per timed step."""
+def _timed(step, warmup: int, steps: int, counted=None) -> tuple[list[float], Any, float]:
+    """Run ``warmup + steps`` steps; per timed step the slowest rank's seconds, the bytes
+    sent as counted (with ``counted``: anything with cgx's ``stats()``), and as this rank's
+    link carried them."""
     import torch
     import torch.distributed as dist
 
-    times, before = [], None
+    from benchmarks.netsim import link_tx_bytes
+
+    times, before, tx0 = [], None, 0
     for i in range(warmup + steps):
-        if i == warmup and counted is not None:
-            before = counted.stats().wire_bytes
+        if i == warmup:
+            tx0 = link_tx_bytes()
+            if counted is not None:
+                before = counted.stats().wire_bytes
         dist.barrier()
         t0 = time.perf_counter()
         step()
@@ -73,8 +83,9 @@ def _timed(step, warmup: int, steps: int, counted=None) -> tuple[list[float], An
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         if i >= warmup:
             times.append(dt.item())
+    link = (link_tx_bytes() - tx0) / steps
     wire = (counted.stats().wire_bytes - before) / steps if counted is not None else None
-    return times, wire
+    return times, wire, link
 
 
 def keras_vgg11(num_classes: int = 10):
@@ -121,10 +132,10 @@ def keras_rank(method: str, steps: int, warmup: int, batch: int) -> dict[str, An
     model.compile(optimizer=opt, jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     counted = hvd if method.startswith("keras-cgx") else None
-    times, wire = _timed(lambda: model.train_on_batch(x, y), warmup, steps, counted)
+    times, wire, link = _timed(lambda: model.train_on_batch(x, y), warmup, steps, counted)
     wire = wire if wire is not None else 0.0
     return {"method": method, "times_s": times, "params": int(model.count_params()),
-            "wire_bytes": wire}
+            "wire_bytes": wire, "link_bytes": link}
 
 
 def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any]:
@@ -179,16 +190,17 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
         torch.nn.functional.cross_entropy(opt_model(x), y).backward()
         opt.step()
 
-    times, wire = _timed(step, warmup, steps, hvd)
-    if wire is None and method == "cgx-ddp-hook":
-        wire = state.reducer().totals.wire_bytes / (warmup + steps)
+    if method == "cgx-ddp-hook":  # the hook's own reducer (and transport) counts
+        hvd = types.SimpleNamespace(stats=lambda: state.reducer().snapshot())
+    times, wire, link = _timed(step, warmup, steps, hvd)
     params = sum(p.numel() for p in model.parameters())
     if wire is None:  # ring allreduce of the gradients (DDP) or of their compressed form
         from benchmarks.timetoacc.methods import powersgd_values, ring_bytes
         values = powersgd_values(model, 1) if method == "ddp-powersgd" else params
         width = {"compute": 0, "ddp-fp32": 4, "ddp-fp16": 2, "ddp-powersgd": 4}[method]
         wire = ring_bytes(width * values, world)
-    out = {"method": method, "times_s": times, "params": params, "wire_bytes": wire}
+    out = {"method": method, "times_s": times, "params": params, "wire_bytes": wire,
+           "link_bytes": link}
     plan = opt.exchange_plan() if method.startswith("cgx-planned") else None
     if plan is not None:  # what the planner saw and decided
         out["plan"] = {"predicted_s": plan.step_s, "backward_s": plan.backward_s,
@@ -243,22 +255,26 @@ def main(argv=None) -> int:
              f"VGG-11 (28.1 M parameters), batch {args.batch}/rank, 2 ranks x 1 thread, "
              f"link {args.rate}" + (f"; s/step: the median of {args.rounds} rounds' means, "
                                     "each round every method in turn" if many else ""), "",
-             "| method | s/step | vs DDP fp32 | step / compute-only step | MB sent/step/rank |"
-             + (" rounds (min-max s/step) |" if many else ""),
-             "|---|---:|---:|---:|---:|" + ("---:|" if many else "")]
+             "| method | s/step | vs DDP fp32 | step / compute-only step | MB sent/step/rank "
+             "(counted) | MB/step/rank on the link |" + (" rounds (min-max s/step) |" if many
+                                                       else ""),
+             "|---|---:|---:|---:|---:|---:|" + ("---:|" if many else "")]
     floor = {r["method"]: _step(r) for r in results
              if r["method"] in ("compute", "keras-compute") and "times_s" in r}
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['method']} | failed: {r['error']} | | | |" + (" |" if many else ""))
+            lines.append(f"| {r['method']} | failed: {r['error']} | | | | |"
+                         + (" |" if many else ""))
             continue
         t = _step(r)
         wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 1e6:.1f}"
+        link = f"{r['link_bytes'] / 1e6:.1f}" if r.get("link_bytes") is not None else "-"
         speed = f"{base / t:.2f}x" if base else "-"
         own = floor.get("keras-compute" if r["method"].startswith("keras") else "compute")
         vs_floor = f"{t / own:.2f}" if own else "-"
         spread = (f" {min(r['round_means']):.3f}-{max(r['round_means']):.3f} |" if many else "")
-        lines.append(f"| {r['method']} | {t:.3f} | {speed} | {vs_floor} | {wire} |{spread}")
+        lines.append(f"| {r['method']} | {t:.3f} | {speed} | {vs_floor} | {wire} | {link} |"
+                     f"{spread}")
     md = "\n".join(lines)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:

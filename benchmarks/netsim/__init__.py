@@ -20,7 +20,7 @@ from .network import (
     list_namespaces,
 )
 from .shaping import Shaping, parse_rate, parse_size, parse_time
-from .worker import RESULT_ENV, write_result
+from .worker import RESULT_ENV, link_tx_bytes, write_result
 
 __all__ = [
     "NAMESPACE_PREFIX",
@@ -35,6 +35,7 @@ __all__ = [
     "SlowNetwork",
     "check_available",
     "cleanup_leftovers",
+    "link_tx_bytes",
     "list_namespaces",
     "parse_rate",
     "parse_size",

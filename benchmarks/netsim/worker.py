@@ -31,6 +31,14 @@ def load(path: str) -> Any:
         return json.load(f)
 
 
+def link_tx_bytes() -> int:
+    """Bytes this rank's host link has sent so far: the counter of the veth that
+    ``GLOO_SOCKET_IFNAME`` names, TCP/IP headers included (rank side). What the simulated
+    network really carried, to set beside what a method counts; a host's ranks share it."""
+    with open(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
 def write_result(value: Any, path: Optional[str] = None) -> str:
     """Write ``value`` as JSON to ``path`` (default: ``$CGX_NETSIM_RESULT``); returns the path.
 

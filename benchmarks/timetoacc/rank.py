@@ -10,13 +10,8 @@ import statistics
 import time
 from typing import Any
 
+from benchmarks.netsim import link_tx_bytes
 from benchmarks.timetoacc import methods, workloads
-
-
-def _tx_bytes() -> int:
-    """Bytes this host's link has sent (the veth the rank's traffic leaves by)."""
-    with open(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes") as f:
-        return int(f.read())
 
 
 def _compute_only(work, steps: int) -> float:
@@ -62,7 +57,7 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
 
     barrier()
     evaluate(0, 0.0)
-    tx0 = _tx_bytes()
+    tx0 = link_tx_bytes()
     clock, times, train_losses = 0.0, [], []
     # Cosine decay to zero over the run, the same for every method: the final losses are
     # those of a finished schedule, not a snapshot of a noisy middle.
@@ -83,7 +78,7 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
         if step % eval_every == 0 or step == steps:
             evaluate(step, clock)
     barrier()
-    tx = _tx_bytes() - tx0
+    tx = link_tx_bytes() - tx0
     accounted = setup.accounted_bytes(steps)
     compression = setup.compression_seconds()
     plan = setup.plan()
