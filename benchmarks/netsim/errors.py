@@ -2,12 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .launch import LaunchResult
-
-
 class NetnsUnavailable(RuntimeError):
     """This machine cannot build the simulated network (not root, no iproute2, ...).
 
@@ -24,8 +18,12 @@ class NetnsError(RuntimeError):
 
 
 class RankFailedError(RuntimeError):
-    """A rank exited non-zero, was killed, or timed out; ``result`` holds every rank's output."""
+    """A rank exited non-zero, was killed, or timed out.
 
-    def __init__(self, message: str, result: "LaunchResult"):
+    ``result`` is the group's :class:`~benchmarks.netsim.results.LaunchResult`:
+    every rank's exit code and output.
+    """
+
+    def __init__(self, message: str, result):
         super().__init__(message)
         self.result = result

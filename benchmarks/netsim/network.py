@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from .errors import NetnsError, NetnsUnavailable, RankFailedError
-from .launch import LaunchResult, run_group
+from .launch import run_group
+from .results import LaunchResult
 from .shaping import Shaping
 
 NAMESPACE_PREFIX = "cgxns-"
