@@ -259,8 +259,9 @@ def _write(args, lines: list, data: dict, where: str) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     argv = [os.path.relpath(a, root) if os.path.isabs(a) else a for a in sys.argv[1:]]
     command = " ".join([".venv/bin/python benchmarks/adaptive.py", *argv])
+    load = os.getloadavg()[0]  # other work on the machine slows every timing
     with open(args.out + ".md", "w") as f:
-        f.write(f"`{command}` ({where})\n\n" + text + "\n")
+        f.write(f"`{command}` ({where}; load average {load:.1f} at the end)\n\n" + text + "\n")
     return 0
 
 

@@ -77,10 +77,12 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out + ".json", "w") as f:
             json.dump({"calls": args.calls, "rows": rows}, f, indent=1)
+        load = os.getloadavg()[0]  # other work on the machine slows every call
         with open(args.out + ".md", "w") as f:
             f.write(f"Command: `.venv/bin/python benchmarks/consistency.py --calls {args.calls} "
-                    f"--out {os.path.relpath(args.out)}` (2 ranks, Gloo, one machine; the "
-                    "median latency of one functional allreduce)\n\n" + "\n".join(lines) + "\n")
+                    f"--out {os.path.relpath(args.out)}` (2 ranks, Gloo, one machine of "
+                    f"{os.cpu_count()} cores, load average {load:.1f} at the end; the median "
+                    "latency of one functional allreduce)\n\n" + "\n".join(lines) + "\n")
     return 0
 
 

@@ -73,9 +73,11 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out + ".json", "w") as f:
             json.dump({"decision_time": d, "quality": q}, f, indent=1)
+        load = os.getloadavg()[0]  # other work on the machine slows the decision time
         with open(args.out + ".md", "w") as f:
             f.write(f"Command: `.venv/bin/python benchmarks/planner.py --instances "
-                    f"{args.instances} --out {os.path.relpath(args.out)}` (one process)\n\n"
+                    f"{args.instances} --out {os.path.relpath(args.out)}` (one process, "
+                    f"{os.cpu_count()} cores, load average {load:.1f} at the end)\n\n"
                     + "\n\n".join(lines) + "\n")
     return 0
 
