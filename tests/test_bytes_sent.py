@@ -288,6 +288,9 @@ class _Pair(SingleProcessTransport):
 def test_counter_counts_once_per_call_per_thread_and_not_failed_calls():
     t = _Pair()
     with count_sent() as outer:
+        with count_sent() as empty:
+            pass  # leaving an empty block leaves the (still equal) outer one open
+        assert empty == outer
         t.allgather(torch.empty(20, dtype=torch.uint8), torch.zeros(10, dtype=torch.uint8))
         with count_sent() as inner:
             t.alltoall(torch.empty(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8))
