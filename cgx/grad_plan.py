@@ -342,11 +342,24 @@ class GradientPlan:
             red.add_stats(_layer_errors(names, specs, work, red.config.cpu_threads))
         residuals = None
         if self.error_feedback and not shadow:
+            self._send_owed_exact(work, names, specs)
             residuals = [self._residual(n, w) if s is not None else None
                          for n, s, w in zip(names, specs, work)]
         red.allreduce(work, specs, op=self.op, prescale_factor=1.0 / self.predivide,
                       postscale_factor=self.predivide, name=name, residuals=residuals,
                       step=step)
+
+    def _send_owed_exact(self, work: list, names: list, specs: list) -> None:
+        """A tensor that travels exact this time (the plan changed, or auto chose exact)
+        sends what its quantization still owed with it, and keeps no residual: a residual
+        held through exact steps would come back stale when the tensor is quantized again.
+        Residuals are in input units (see ``cgx.collectives.algorithms.ReduceContext``),
+        i.e. after the ``1 / predivide`` prescale: ``predivide`` times that in gradient units."""
+        for w, n, s in zip(work, names, specs):
+            if s is None and n in self._residuals:
+                e = self._residuals.pop(n)
+                if e.numel() == w.numel():
+                    w.view(-1).add_(e.to(w.device, w.dtype), alpha=self.predivide)
 
     def _reduce_family(self, red, comp, ws: list, names: list) -> None:
         """Top-k or PowerSGD tensors in as few collectives as the family allows, in place;
@@ -378,9 +391,9 @@ class GradientPlan:
         level or top-k density or PowerSGD rank keeps them; PowerSGD also keeps its warm
         start). When a layer changes family, what its old compressor still owed is added
         once to its next gradient, which the new compressor then carries (and, with
-        error feedback, owes in its turn). Quantization's residual holds the owner's
-        share of the final requantization in output units, so at such a change that
-        share, one quantization error of one step, is sent 1/W-scaled."""
+        error feedback, owes in its turn). Every family's residual is in input units
+        (after the ``1 / predivide`` prescale), so what is owed is exactly what was
+        dropped, whichever chunk of the fused reduction the values fell in."""
         sched = self.adaptive
         if step != self._last_step:
             self._last_step = step
@@ -442,7 +455,8 @@ class GradientPlan:
                       Family.POWERSGD: self._auto_psgd._residuals}.get(fb, self._residuals)
             e = holder.pop(n, None)
             if e is not None:
-                flat = e.reshape(-1).to(torch.float32)
+                # in gradient units: the next gradient is prescaled again on its way
+                flat = e.reshape(-1).to(torch.float32) * self.predivide
                 old = self._owed.get(n)
                 self._owed[n] = flat if old is None else old + flat
 
@@ -469,6 +483,19 @@ class GradientPlan:
             e = torch.zeros(w.numel(), dtype=torch.float32, device=w.device)
             self._residuals[name] = e
         return e
+
+    def residual(self, name: str) -> Optional[torch.Tensor]:
+        """What this rank's exchange of tensor ``name`` still owes (error feedback): the
+        values dropped so far and not yet sent, flat float32 in the gradient's units, or
+        None when nothing is held. Over any steps, the reduced outputs' sum plus the
+        reduction of every rank's ``residual`` equals the reduction of the gradients'
+        sum (to float32 rounding), whatever the plan did meanwhile."""
+        held = [(self._residuals.get(name), self.predivide), (self._owed.get(name), 1.0)]
+        for comp in (self.compression, self._auto_topk, self._auto_psgd):
+            if callable(getattr(comp, "residual", None)):
+                held.append((comp.residual(name), self.predivide))
+        parts = [e.detach().reshape(-1).to(torch.float32) * f for e, f in held if e is not None]
+        return sum(parts[1:], parts[0]) if parts else None
 
     @property
     def compressed_numel(self) -> int:
