@@ -89,4 +89,80 @@ def custom_tape_loop(hvd, shard):
     return _weights(model)
 
 
-PATTERNS = {f.__name__: f for f in (fit_with_callbacks_and_validation, custom_tape_loop)}
+def _two_wide(seed=0):
+    """10 -> 64 -> 64 (tanh): with 6 rows per rank on 2 ranks, a 64 x 64 kernel's factors
+    are smaller than its gradient. Returns the input, the two layers and the output."""
+    import keras
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((10,))
+    first = keras.layers.Dense(64, activation="tanh")
+    mid = keras.layers.Dense(64, activation="tanh")
+    return inp, first, mid, mid(first(inp))
+
+
+def _fit_with_factors(hvd, shard, model):
+    import keras
+    x, y = _global_data(STEPS)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                     compression=hvd.Compression.exact,
+                                                     sufficient_factors=model),
+                  loss="mse", jit_compile=False)
+    model.fit(x[_my_rows(shard, STEPS)], y[_my_rows(shard, STEPS)],
+              batch_size=GLOBAL_BATCH // hvd.size(), epochs=1, shuffle=False, verbose=0)
+    return _weights(model)
+
+
+def factors_with_a_tied_head(hvd, shard):
+    """Sufficient factors; a head holding the 64 x 64 layer uses its kernel, transposed."""
+    import keras
+    import tensorflow as tf
+
+    class TiedHead(keras.layers.Layer):
+        def __init__(self, dense):
+            super().__init__()
+            self.dense = dense
+
+        def call(self, h):
+            return tf.matmul(h, self.dense.kernel, transpose_b=True)
+
+    inp, _, mid, h = _two_wide()
+    model = keras.Model(inp, keras.layers.Dense(3)(TiedHead(mid)(h)))
+    return _fit_with_factors(hvd, shard, model)
+
+
+def factors_with_a_borrowed_kernel(hvd, shard):
+    """Sufficient factors; a Lambda multiplies by the 64 x 64 kernel again (a closure)."""
+    import keras
+    import tensorflow as tf
+    inp, _, mid, h = _two_wide()
+    again = keras.layers.Lambda(lambda t: tf.matmul(t, mid.kernel))(h)
+    return _fit_with_factors(hvd, shard, keras.Model(inp, keras.layers.Dense(3)(again)))
+
+
+def factors_with_an_extra_loss_term(hvd, shard):
+    """Sufficient factors; a custom step's loss has a term of both kernels on its rows."""
+    import keras
+    import tensorflow as tf
+    x, y = _global_data(STEPS)
+    inp, first, mid, h = _two_wide()
+    model = keras.Model(inp, keras.layers.Dense(3)(h))
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                   compression=hvd.Compression.exact, sufficient_factors=model)
+
+    @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            extra = tf.matmul(tf.tanh(tf.matmul(xb, first.kernel)), mid.kernel)
+            loss = tf.reduce_mean(tf.square(model(xb) - yb)) + \
+                0.01 * tf.reduce_mean(tf.square(extra))
+        opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+    for step in range(STEPS):
+        rows = shard(torch.arange(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)).numpy()
+        train_step(x[rows], y[rows])
+    return _weights(model)
+
+
+PATTERNS = {f.__name__: f for f in (fit_with_callbacks_and_validation, custom_tape_loop,
+                                    factors_with_a_tied_head, factors_with_a_borrowed_kernel,
+                                    factors_with_an_extra_loss_term)}

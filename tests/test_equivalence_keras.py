@@ -1,6 +1,7 @@
 """2 real ranks with an exact exchange train Keras models exactly like one process on all the
-data: model.fit with callbacks and validation, and a custom GradientTape loop
-(tests/patterns_keras.py)."""
+data: model.fit with callbacks and validation, a custom GradientTape loop, and with
+sufficient factors a kernel also used outside its layer (a tied head, a Lambda, an extra
+loss term) (tests/patterns_keras.py)."""
 
 import pytest
 

@@ -1,7 +1,9 @@
 """Sufficient factors on the Keras path: the Dense layers' averaged gradients rebuilt from
 all-gathered factors equal the true average of every rank's gradient, on 2 and 3 real
 ranks: model.fit, a compiled custom step with backward_passes_per_step=2, a frozen
-layer, a layer called twice, ranks with different batch sizes, and eagerly."""
+layer, a layer called twice, ranks with different batch sizes, and eagerly; and a kernel
+also used outside its layer (tied, read by another layer, an extra loss term) is
+averaged whole, never passed through with one rank's share of the other uses."""
 
 import os
 
@@ -44,13 +46,16 @@ def _loss(model, x, y):
         y, model(x, training=True), from_logits=True))
 
 
-def _average_grads(build, batches):
-    """The true averaged gradient: every rank's batch through a fresh copy, averaged."""
+def _average_grads(build, batches, loss_fn=None, weights=None):
+    """The true averaged gradient: every rank's batch through a fresh copy (holding
+    ``weights`` when given), averaged."""
     model = build()
+    for v, w in zip(model.trainable_variables, weights or []):
+        v.assign(w)
     total = None
     for x, y in batches:
         with tf.GradientTape() as tape:
-            loss = _loss(model, x, y)
+            loss = (loss_fn or _loss)(model, x, y)
         g = [t.numpy() for t in tape.gradient(loss, model.trainable_variables)]
         total = g if total is None else [a + b for a, b in zip(total, g)]
     return [t / len(batches) for t in total]
@@ -142,6 +147,155 @@ def test_rebuilt_gradients_equal_the_average(world):
             assert r[key + "_used"] == want, r[key + "_used"]
     for a, b in zip(results[0]["fit_equal_across_ranks"], results[-1]["fit_equal_across_ranks"]):
         np.testing.assert_array_equal(a, b)  # the same rebuilt average: identical replicas
+
+
+class _TiedHead(keras.layers.Layer):
+    """Outputs through the transposed kernel of the Dense layer it holds (a tied head)."""
+
+    def __init__(self, dense, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = dense
+
+    def call(self, h):
+        return tf.matmul(h, self.dense.kernel, transpose_b=True)
+
+
+def _tied():
+    """A 32 -> 64 Dense whose kernel a head holding the layer uses again, transposed."""
+    keras.utils.set_random_seed(2)
+    inp = keras.Input((32,))
+    embed = keras.layers.Dense(64, activation="tanh", name="embed")
+    h = _TiedHead(embed, name="tied")(embed(inp))
+    return keras.Model(inp, keras.layers.Dense(3, name="logits")(h))
+
+
+def _borrowed():
+    """A 32 x 32 Dense whose kernel a Lambda multiplies by again, reaching it through a
+    closure: nothing in the model shows it."""
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((32,))
+    mid = keras.layers.Dense(32, activation="tanh", name="mid")
+    again = keras.layers.Lambda(lambda t: tf.matmul(t, mid.kernel), name="again")(mid(inp))
+    return keras.Model(inp, keras.layers.Dense(3, name="logits")(again))
+
+
+def _extra_loss(model, x, y):
+    """The loss plus a term of the first kernel on this rank's rows (a custom step's)."""
+    kernel = model.layers[0].kernel
+    return _loss(model, x, y) + 0.1 * tf.reduce_mean(tf.square(tf.matmul(x, kernel)))
+
+
+def _shared_kernels(rank, world):
+    import cgx.tensorflow.keras as hvd
+    hvd.init()
+    out, lr = {}, 0.5
+    # model.fit, two steps each: the second one after the exchange learned about the kernel.
+    for case, build in (("tied", _tied), ("borrowed", _borrowed)):
+        model = build()
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr),
+                                       compression=hvd.Compression.exact,
+                                       sufficient_factors=model)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        for step in (1, 2):
+            before = [v.numpy() for v in model.trainable_variables]
+            x, y = _data(rank, 4, step=step)
+            model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+            after = [v.numpy() for v in model.trainable_variables]
+            out[f"{case}{step}"] = _applied(before, after, lr)
+            out[f"{case}{step}_expected"] = _average_grads(
+                build, [_data(r, 4, step=step) for r in range(world)], weights=before)
+        out[case + "_used"] = opt.sufficient_factors_used()
+        out[case + "_weights"] = after
+    # A custom step whose loss has a term of its own on the first kernel: compiled with
+    # backward_passes_per_step=2, and eagerly with op=Sum.
+    for key, eager, op, passes in (("extra", False, hvd.Average, 2),
+                                   ("extra_sum", True, hvd.Sum, 1)):
+        model = _sequential()
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr),
+                                       compression=hvd.Compression.exact, op=op,
+                                       backward_passes_per_step=passes,
+                                       sufficient_factors=model)
+
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = _extra_loss(model, x, y)
+            opt.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+        run = step if eager else tf.function(step)
+        before = [v.numpy() for v in model.trainable_variables]
+        expected = None
+        for p in range(passes):
+            x, y = _data(rank, 4, step=3 + p)
+            run(tf.constant(x), tf.constant(y))
+            g = _average_grads(_sequential, [_data(r, 4, step=3 + p) for r in range(world)],
+                               loss_fn=_extra_loss)
+            expected = g if expected is None else [a + b for a, b in zip(expected, g)]
+        after = [v.numpy() for v in model.trainable_variables]
+        out[key] = _applied(before, after, lr)
+        out[key + "_expected"] = [g * (world if op is hvd.Sum else 1) for g in expected]
+        used = opt.sufficient_factors_used()
+        out[key + "_used"] = [used.get(layer.name) for layer in model.layers]
+        out[key + "_weights"] = after
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_kernel_used_outside_its_layer_is_averaged_whole(world):
+    results = run_gloo(_shared_kernels, world, timeout=300)
+    for r in results:
+        for key in ("tied1", "tied2", "borrowed1", "borrowed2", "extra", "extra_sum"):
+            assert len(r[key]) == len(r[key + "_expected"]) > 0
+            for got, want in zip(r[key], r[key + "_expected"]):
+                np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-6, err_msg=key)
+        # The tied layer is never routed: the head holding it shows the kernel is shared.
+        assert "embed" not in r["tied_used"] and r["tied_used"]["logits"] is False
+        # The borrowed and the extra-loss kernels sent factors in their first step, were
+        # found not to be the whole gradient, and go the ordinary way since.
+        assert r["borrowed_used"] == {"mid": False, "logits": False}
+        for key in ("extra_used", "extra_sum_used"):  # 32 x 64, 64 x 64, 64 x 3
+            assert r[key] == [False, True, False], r[key]
+    for key in ("tied_weights", "borrowed_weights", "extra_weights", "extra_sum_weights"):
+        for a, b in zip(results[0][key], results[-1][key]):
+            np.testing.assert_array_equal(a, b, err_msg=key)  # identical replicas
+
+
+def _loss_scaled(rank, world):
+    import cgx.tensorflow.keras as hvd
+    hvd.init()
+    keras.config.set_dtype_policy("mixed_float16")
+    g = np.random.default_rng(rank)
+    x, y = g.normal(size=(8, 32)).astype("float32"), g.integers(0, 3, 8)
+    out = {}
+    for factors in (False, True):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(3, dtype="float32")])
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                       compression=hvd.Compression.exact,
+                                       sufficient_factors=model if factors else None)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True))
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        out[factors] = model.get_weights()
+    used = model.optimizer.inner_optimizer.sufficient_factors_used()
+    out["used"] = [used[layer.name] for layer in model.layers]
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_loss_scaled_gradient_still_counts_as_the_factors():
+    """Under mixed precision the optimizer receives the rebuilt average divided by the loss
+    scale: the same scalar on every rank, so the factors stay in use."""
+    results = run_gloo(_loss_scaled, 2, timeout=300)
+    for r in results:
+        assert r["used"] == [True, True, False]
+        for a, b in zip(r[False], r[True]):  # float16 products
+            np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)
+    for a, b in zip(results[0][True], results[1][True]):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_sufficient_factors_need_a_model_and_a_fixed_compression():

@@ -69,7 +69,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             Each layer's product gets a custom gradient that all-gathers every rank's
             inputs and output gradients during backward and rebuilds the exact averaged
             kernel and bias gradients; otherwise it reduces the layer with
-            ``compression`` (a fixed one: not ``"auto"`` or ``planned()``). See
+            ``compression`` (a fixed one: not ``"auto"`` or ``planned()``). A kernel
+            also used outside its layer (tied, read by another layer or loss term) is
+            reduced as usual, decided alike on every rank. See
             ``cgx.tensorflow.keras.sufficient_factors``.
 
     Example::
@@ -220,10 +222,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         else:
             self._accumulate(grads, trainable_variables)
 
-    def _reduce(self, grads, variables):
+    def _reduce(self, grads, variables, proven=None):
+        settled = ()
+        if self._factors is not None:  # the Dense layers that sent factors (or tried to)
+            grads, settled = self._factors.settle(grads, variables, proven)
         return self._exchange(grads, variables, step=self.inner_optimizer.iterations,
                               local=self._local_vars, scale_local=self._scale_local,
-                              reduced=self._factors.reduced_ids() if self._factors else ())
+                              reduced=settled)
 
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient on this rank (model-parallel layers): it is not reduced,
@@ -233,6 +238,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def _accumulate(self, grads, variables):
         accs = [self._accumulators[self._get_variable_index(v)] for v in variables]
         present = [g is not None for g in grads]
+        if self._factors is not None:  # is each pass's factor gradient the average?
+            self._factors.note(grads, variables)
         for g, acc in zip(grads, accs):
             if g is not None:
                 acc.assign_add(tf.cast(tf.convert_to_tensor(g), acc.dtype))
@@ -242,7 +249,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         def exchange_and_apply():
             agg = [tf.convert_to_tensor(a) * tf.cast(scale, a.dtype) if p else None
                    for a, p in zip(accs, present)]
-            self.inner_optimizer.apply(self._reduce(agg, variables), variables)
+            proven = self._factors.noted() if self._factors is not None else None
+            self.inner_optimizer.apply(self._reduce(agg, variables, proven), variables)
             for a, p in zip(accs, present):
                 if p:
                     a.assign(tf.zeros(a.shape, a.dtype))
@@ -278,10 +286,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """Use ``compression`` from the next step on (e.g. after loading a saved model)."""
         tf_side_compressor(compression)
         if self._factors is not None:
-            from cgx.tensorflow.keras.sufficient_factors import check_compression
-            check_compression(compression)
-            self._factors.compression = compression
-            self._factors._plans.clear()
+            self._factors.set_compression(compression)
         self._compression = compression
         self._exchange = GradientExchange(compression, self._op, self._predivide, self._rules,
                                           label=self.name, process_set=self._process_set,
