@@ -17,11 +17,20 @@ of the output gradients' rows, rebuilt from the same gathered factors.
 The torch adapter records the factors with hooks (``cgx.torch.factor_capture``); the
 Keras adapter routes its ``Dense`` layers' products through a custom gradient that
 exchanges them (``cgx.tensorflow.keras.sufficient_factors``); this module decides and
-exchanges for both. The factors are a faithful record only if each backward pass saw exactly one
-forward call of the layer; otherwise (a layer used twice, a forward without a
-backward) the layer falls back to the plain reduction for that step. The
-choice is agreed by every rank with one small allgather per layer and step (K and
-the faithfulness flag), because the ranks must issue the same collectives. Each
+exchanges for both.
+
+The rebuild replaces the layer's gradient, so the factors may go only when their
+product is the parameters' whole gradient on every rank. A rank's factors are
+*faithful* when each backward pass of the step saw exactly one forward call of the
+layer, recorded its input unchanged and its output gradient, and the weight (and the
+bias that travels with it) received in that pass the layer's own contribution and
+nothing else: no second use of the weight (tied or shared weights, ``F.linear`` on it
+elsewhere, a custom autograd function), no gradient hook that changed it. The torch
+adapter proves this exactly, by tensor identity and counts
+(:mod:`cgx.torch.factor_capture`). Otherwise the layer falls back to the plain
+reduction for that step. The choice is agreed by every rank with one small allgather
+per layer and step (K and the faithfulness flag), because the ranks must issue the
+same collectives: one unfaithful rank sends every rank down the plain path. Each
 layer's exchange starts as soon as its weight gradient is ready, beside the rest of
 backward.
 """
@@ -36,32 +45,46 @@ import torch
 
 @dataclasses.dataclass
 class Capture:
-    """What one linear layer recorded since the last exchange.
+    """What one linear layer recorded since the last exchange (filled by the adapter).
 
     Attributes:
         name: the weight's name.
-        inputs, grads: per backward pass, the layer input (K x N) and the gradient of
-            its output (K x M), both float32 and detached.
+        module: the layer.
+        blocks: per backward pass, the layer's factors as one float32 block ``[dy | x]``
+            (K x (M + N)): its output gradient and its input, copied as backward reached
+            the layer.
         forwards: forward calls recorded (training, with gradients enabled).
+        expected: contributions the layer's product sent to its parameters (one per
+            forward and trainable parameter).
+        sole: gradients its parameters received that were exactly such a contribution.
+        foreign: gradients its parameters received that were not (another use of the
+            parameter added to it, a hook replaced or edited it, the layer had no part).
     """
 
     name: str
     module: torch.nn.Linear
-    inputs: list = dataclasses.field(default_factory=list)
-    grads: list = dataclasses.field(default_factory=list)
+    blocks: list = dataclasses.field(default_factory=list)
     forwards: int = 0
+    expected: int = 0
+    sole: int = 0
+    foreign: int = 0
 
     def clear(self) -> None:
-        self.inputs.clear()
-        self.grads.clear()
-        self.forwards = 0
+        self.blocks.clear()
+        self.forwards = self.expected = self.sole = self.foreign = 0
 
     def rows(self) -> int:
-        return sum(x.shape[0] for x in self.inputs)
+        return sum(b.shape[0] for b in self.blocks)
+
+    def pairs(self, out_features: int) -> list:
+        """Per backward pass, ``(dy, x)``: views of the block."""
+        return [(b[:, :out_features], b[:, out_features:]) for b in self.blocks]
 
     def faithful(self, passes: int) -> bool:
-        """One forward per backward pass, each matched by its output gradient."""
-        return self.forwards == len(self.inputs) == len(self.grads) == passes
+        """One forward per backward pass, each with its factors, and every gradient the
+        parameters received was the layer's own contribution, alone."""
+        return (self.forwards == len(self.blocks) == passes and self.foreign == 0
+                and self.sole == self.expected)
 
 
 def worth_it(rows: int, ranks: int, out_features: int, in_features: int) -> bool:
@@ -103,11 +126,11 @@ def exchange_layer(cap: Capture, weight: torch.Tensor, transport, passes: int, a
     """
     dev = transport.device
     m, n = weight.shape
-    factors = gathered(transport, list(zip(cap.grads, cap.inputs)), m, n,
-                       rows=0 if shadow else cap.rows(),
+    factors = gathered(transport, cap.pairs(m), m, n, rows=0 if shadow else cap.rows(),
                        faithful=(not shadow) and cap.faithful(passes), average=average,
                        choose=(lambda k, P: choose(cap.name, k, P, m, n)) if choose else None,
-                       record=record, bias=bias is not None)
+                       record=record, bias=bias is not None,
+                       block=cap.blocks[0] if len(cap.blocks) == 1 else None)
     if factors is None:
         plain()
         return False
@@ -122,7 +145,8 @@ def exchange_layer(cap: Capture, weight: torch.Tensor, transport, passes: int, a
 
 def gathered(transport, pairs, out_features: int, in_features: int, rows: int,
              faithful: bool, average: bool, choose=None, record=None,
-             bias: bool = False) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+             bias: bool = False, *, block: Optional[torch.Tensor] = None
+             ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Every rank, same point: agree on the layer, then all-gather its factors if they go.
 
     Args:
@@ -133,6 +157,8 @@ def gathered(transport, pairs, out_features: int, in_features: int, rows: int,
         choose: ``choose(rows, ranks)`` -> send as factors? (default: :func:`worth_it`).
         record: ``record(ReduceStats)``, called when the factors go.
         bias: the layer's bias travels with it (for the statistics).
+        block: optional, ``pairs`` stacked already as one float32 ``[dy | x]`` tensor;
+            sent as it is when it needs no padding (see :func:`gather`).
 
     Returns:
         ``(dy, x)`` of every rank's rows, in rank order, ``dy`` scaled by 1/P when
@@ -146,7 +172,7 @@ def gathered(transport, pairs, out_features: int, in_features: int, rows: int,
     k = max(counts)
     if not (all_faithful and k > 0 and (choose(k, P) if choose else worth_it(k, P, m, n))):
         return None
-    dy, x = gather(transport, pairs, m, n, counts)
+    dy, x = gather(transport, pairs, m, n, counts, block=block)
     if record is not None:
         record(factor_stats(P, m, n, bias))
     return (dy / P if average else dy), x
@@ -166,22 +192,29 @@ def agree(transport, rows: int, faithful: bool) -> tuple[list[int], bool]:
 
 
 def gather(transport, pairs, out_features: int, in_features: int,
-           counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+           counts: list[int], *, block: Optional[torch.Tensor] = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """All ranks' factors: ``(dy, x)`` of ``sum(counts)`` rows each, in rank order.
 
     ``pairs``: this rank's (output gradient K_i x M, input K_i x N) per backward pass;
     ``counts``: every rank's total rows (from :func:`agree`). One allgather of a
     ``K x (M + N)`` float32 block ``[dy | x]`` per rank, padded to the largest K with zero
-    rows (dropped here).
+    rows (dropped here). ``block``: optional, the pairs stacked already as that block
+    (contiguous float32 on the transport's device); sent without a copy when this rank
+    has the largest K.
     """
     m, n, dev = out_features, in_features, transport.device
     k = max(counts)
-    send = torch.zeros(k, m + n, dtype=torch.float32, device=dev)
-    at = 0
-    for out_grad, inp in pairs:  # one pair per backward pass
-        send[at:at + out_grad.shape[0], :m].copy_(out_grad)
-        send[at:at + inp.shape[0], m:].copy_(inp)
-        at += inp.shape[0]
+    if block is not None and block.shape == (k, m + n) and block.dtype == torch.float32 \
+            and block.device == dev and block.is_contiguous():
+        send = block
+    else:
+        send = torch.zeros(k, m + n, dtype=torch.float32, device=dev)
+        at = 0
+        for out_grad, inp in pairs:  # one pair per backward pass
+            send[at:at + out_grad.shape[0], :m].copy_(out_grad)
+            send[at:at + inp.shape[0], m:].copy_(inp)
+            at += inp.shape[0]
     if transport.size == 1:
         recv = send
     else:

@@ -96,9 +96,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             fewer bytes: ``K x P x (M + N) < M x N`` for K rows per rank, P ranks and
             an M x N weight. The rebuilt average is exact (the bias's too, from the
             output gradients); each layer's exchange starts as soon as its gradient
-            is ready, beside the rest of backward. Layers where the factors are not a
-            faithful record (used twice in a forward, unused on a rank) take the plain
-            path.
+            is ready, beside the rest of backward. The factors go only when the
+            layer's product is the weight's whole gradient on every rank; otherwise
+            the layer takes the plain path for the step (used twice in a forward,
+            unused on a rank, its weight also used elsewhere: ``F.linear`` on it, a
+            custom autograd function, a gradient hook). A weight or bias registered
+            in several modules (tied embedding and output layer, shared ``nn.Linear``)
+            always takes the plain path. See ``cgx.torch.factor_capture``.
 
     Example::
 
@@ -224,11 +228,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # buckets and travel at synchronize() (as factors, or plainly when not worth it).
         if getattr(self, "_capture", None) is not None:
             self._capture.remove()
+            self._capture_release.detach()
         self._capture = None
         self._sfb_index: list = []
         if self._sfb_model is not None:
             from cgx.torch.factor_capture import FactorCapture
             self._capture = FactorCapture(self._sfb_model, {id(p) for p in params})
+            # Without this optimizer, the hooks would go on recording for nobody.
+            self._capture_release = weakref.finalize(self, self._capture.remove)
             self._sfb_index = [i for i, p in enumerate(params) if id(p) in
                                self._capture.captures]
         # A factor layer's trainable bias travels with its weight: rebuilt from the
