@@ -29,14 +29,14 @@ import torch
 from spawn import run_gloo
 
 
-def _rank_main(rank, world, module_name, names):
+def _rank_main(rank, world, module_name, names, variant=None):
     import importlib
     mod = importlib.import_module(module_name)
 
     def shard(t):
         return t.chunk(world)[rank] if world > 1 else t
 
-    hvd = mod.init()
+    hvd = mod.init() if variant is None else mod.init(variant)
     out = {}
     for name in names:
         try:
@@ -46,9 +46,13 @@ def _rank_main(rank, world, module_name, names):
     return out
 
 
-def run_patterns(module_name: str, names, world: int, timeout: float = 600.0) -> dict:
-    """Run the patterns ``names`` of ``module_name`` on ``world`` ranks; per pattern, per rank."""
-    outs = run_gloo(_rank_main, world, module_name, list(names), timeout=timeout)
+def run_patterns(module_name: str, names, world: int, timeout: float = 600.0,
+                 variant: "str | None" = None) -> dict:
+    """Run the patterns ``names`` of ``module_name`` on ``world`` ranks; per pattern, per rank.
+
+    ``variant``: given to the module's ``init(variant)``, which picks what the patterns'
+    optimizers decide with (patterns_torch.VARIANTS); None calls ``init()``."""
+    outs = run_gloo(_rank_main, world, module_name, list(names), variant, timeout=timeout)
     return {n: [o[n] for o in outs] for n in names}
 
 

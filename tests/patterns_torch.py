@@ -2,6 +2,18 @@
 
 Each function is ``pattern(hvd, shard) -> parameters`` (see equivalence.py).
 Every one uses an exact exchange, so N ranks must match one process exactly.
+
+Variants: ``init(variant)`` picks what every ``DistributedOptimizer`` built through
+``_opt`` decides with (``run_patterns(..., variant=...)``); each variant must still
+match the plain single-process reference:
+
+* ``"plain"``: ``Compression.exact``.
+* ``"sfb"``: ``Compression.exact`` with ``sufficient_factors=model``. ``_mlp``'s first
+  layer (64 x 16, 12 rows over all ranks) sends factors whenever a step has one
+  backward pass; the patterns below with a tied, shared or borrowed weight must take
+  the plain path for it.
+
+A new variant is one more entry in ``VARIANTS`` and one more branch in ``_opt``.
 """
 
 from __future__ import annotations
@@ -15,7 +27,15 @@ STEPS = 4
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
 
 
-def init():
+VARIANTS = ("plain", "sfb")
+_variant = "plain"  # set by init(): what _opt's optimizers decide with
+
+
+def init(variant: str = "plain"):
+    global _variant
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    _variant = variant
     import cgx.torch as hvd
     torch.set_num_threads(1)
     hvd.init()
@@ -30,10 +50,12 @@ def _batch(step, dim=16, n=GLOBAL_BATCH):
 
 def _mlp(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
 
 
 def _opt(hvd, model, opt, **kw):
+    if _variant == "sfb":
+        kw["sufficient_factors"] = model
     return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                     compression=hvd.Compression.exact, **kw)
 
@@ -255,7 +277,96 @@ def replaced_optimizer(hvd, shard):
     return list(model.parameters())
 
 
+def _train(hvd, model, batches, **kw):
+    """SGD on ``batches(step) -> (inputs, targets)`` (already sharded), cross-entropy."""
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+    for step in range(STEPS):
+        x, y = batches(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return list(model.parameters())
+
+
+class _TiedHead(torch.nn.Module):
+    """A language model's input embedding and output layer (an nn.Linear) share a weight."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 16)
+        self.head = torch.nn.Linear(16, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.emb(tokens).mean(1)))
+
+
+def tied_embedding_head(hvd, shard):
+    def batches(step):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, 64, (GLOBAL_BATCH, 5), generator=g)
+        return shard(tokens), shard(torch.randint(0, 64, (GLOBAL_BATCH,), generator=g))
+    return _train(hvd, _TiedHead(), batches)
+
+
+class _SharedWeight(torch.nn.Module):
+    """Two nn.Linear modules hold one weight (each its own bias)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(16, 64)
+        self.b = torch.nn.Linear(16, 64)
+        self.b.weight = self.a.weight
+        self.head = torch.nn.Linear(64, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.a(x)) * torch.tanh(self.b(x.flip(1))))
+
+
+def weight_shared_by_two_modules(hvd, shard):
+    return _train(hvd, _SharedWeight(), lambda step: tuple(map(shard, _batch(step))))
+
+
+class _Borrowed(torch.nn.Module):
+    """``F.linear`` on a module's weight, outside the module."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(16, 64)
+        self.head = torch.nn.Linear(64, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x)) + 0.5 * torch.tanh(F.linear(x.flip(1),
+                                                                             self.fc.weight)))
+
+
+def functional_use_of_module_weight(hvd, shard):
+    return _train(hvd, _Borrowed(), lambda step: tuple(map(shard, _batch(step))))
+
+
+def reused_input_buffer(hvd, shard):
+    """One input tensor refilled in place for every micro-batch (2 per step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.1),
+               backward_passes_per_step=2)
+    buf = torch.empty(GLOBAL_BATCH // hvd.size(), 64)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(2):
+            x, y = _batch(10 * step + micro, dim=64)
+            buf.copy_(shard(x))
+            (F.cross_entropy(model(buf), shard(y)) / 2).backward()
+        opt.step()
+    return list(model.parameters())
+
+
 PATTERNS = {f.__name__: f for f in (
     plain_sgd_momentum, adam_param_groups, tied_and_reused_weights, accumulation,
     freeze_unfreeze, add_param_group_midway, clipping, grad_scaler, compiled_model,
-    sparse_embedding, ddp_hook_no_sync, save_load_resume, replaced_optimizer)}
+    sparse_embedding, ddp_hook_no_sync, save_load_resume, replaced_optimizer,
+    tied_embedding_head, weight_shared_by_two_modules, functional_use_of_module_weight,
+    reused_input_buffer)}

@@ -1,10 +1,11 @@
 """2 and 3 real ranks with an exact exchange train exactly like one process on all the data,
-for the training patterns users write (tests/patterns_torch.py)."""
+for the training patterns users write (tests/patterns_torch.py), in every variant (also
+with sufficient factors)."""
 
 import pytest
 
 from equivalence import assert_equivalent, run_patterns
-from patterns_torch import PATTERNS
+from patterns_torch import PATTERNS, VARIANTS
 
 pytestmark = pytest.mark.multiproc
 
@@ -14,6 +15,8 @@ def reference():
     return run_patterns("patterns_torch", PATTERNS, world=1)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("world", [2, 3])
-def test_patterns_match_the_single_process_reference(world, reference):
-    assert_equivalent(run_patterns("patterns_torch", PATTERNS, world=world), reference)
+def test_patterns_match_the_single_process_reference(world, variant, reference):
+    assert_equivalent(run_patterns("patterns_torch", PATTERNS, world=world, variant=variant),
+                      reference)
