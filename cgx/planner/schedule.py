@@ -33,7 +33,8 @@ import torch
 
 from cgx.compression.planned import PlannedCompression
 from cgx.config import ReductionType
-from cgx.planner.costs import CostModel, TensorProfile
+from cgx.planner.costs import Collective, CostModel, Option, TensorProfile
+from cgx.planner.simulator import Timeline
 from cgx.planner.strategy import Plan, format_plan, plan
 
 STATE_FORMAT = 1
@@ -291,10 +292,28 @@ class PlannedSchedule:
 
     # -- state --------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """The plan and what its drift checks need, as plain values: a resumed run checks
+        at the same steps, against the same prediction and bias, and re-plans from the
+        same ready times as the run it continues."""
         return {"format": STATE_FORMAT, "names": list(self.names), "chosen": self.chosen,
                 "cost": None if self.cost is None else self.cost.to_dict(),
                 "factors": {self.names[i]: [k, f] for i, (k, f) in
-                            self._factors_planned.items()}}
+                            self._factors_planned.items()},
+                "plan": None if self.plan is None else plan_to_dict(self.plan),
+                "planned_at": self.planned_at,
+                "checks": [dataclasses.asdict(c) for c in self.checks],
+                "ratio": self._ratio, "calibrate_ratio": self._calibrate_ratio,
+                "ready": [list(r) for r in self._ready],
+                "measured": self._measured + self._pending_measurement()}
+
+    def _pending_measurement(self) -> list[float]:
+        """The step whose exchange ended last, measured: ``begin_step`` adds it at the next
+        step's start, which a checkpoint taken between steps would otherwise lose."""
+        if self._end is None or self.planned_at is None:
+            return []
+        s, end = self._end
+        start = self._starts.get(s)
+        return [end - start] if start is not None and s > self.planned_at else []
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") != STATE_FORMAT:
@@ -312,3 +331,56 @@ class PlannedSchedule:
         self._factors_planned = {self._position[name]: (int(k), bool(f))
                                  for name, (k, f) in state.get("factors", {}).items()}
         self._factor_rows = {i: k for i, (k, _) in self._factors_planned.items()}
+        # the plan and its drift checks (absent from checkpoints of older versions: those
+        # keep the choices, without drift checks)
+        saved = state.get("plan")
+        self.plan = None if saved is None else plan_from_dict(saved)
+        self.planned_at = state.get("planned_at")
+        self.checks = [DriftCheck(**c) for c in state.get("checks", [])]
+        self._ratio = float(state.get("ratio", 1.0))
+        self._calibrate_ratio = bool(state.get("calibrate_ratio", False))
+        for queue, times in zip(self._ready, state.get("ready", [])):
+            queue.clear()
+            queue.extend(float(t) for t in times)
+        self._measured = [float(t) for t in state.get("measured", [])]
+        self._starts, self._end = {}, None
+
+
+def _option_to_list(o: Option) -> list:
+    return [o.name, o.compress_s, [[k.value, b] for k, b in o.wire], o.decompress_s,
+            o.linear_s, [[n, k.value] for n, k in o.calls], o.cpu_s]
+
+
+def _option_from_list(v: list) -> Option:
+    name, compress_s, wire, decompress_s, linear_s, calls, cpu_s = v
+    return Option(name, float(compress_s), tuple((Collective(k), int(b)) for k, b in wire),
+                  float(decompress_s), float(linear_s),
+                  tuple((n, Collective(k)) for n, k in calls), float(cpu_s))
+
+
+def plan_to_dict(p: Plan) -> dict:
+    """A :class:`Plan` as plain values (checkpoints): the inverse of :func:`plan_from_dict`."""
+    t = p.timeline
+    return {"tensors": [[x.name, x.numel, x.ready_s, None if x.shape is None else list(x.shape),
+                         x.rows] for x in p.tensors],
+            "options": [[_option_to_list(o) for o in opts] for opts in p.options],
+            "choice": list(p.choice), "groups": [list(g) for g in p.groups],
+            "fusion_bytes": p.fusion_bytes,
+            "timeline": [t.step_s, t.backward_s, t.tail_s, [list(g) for g in t.groups], t.cpu_s],
+            "model": p.model.to_dict(), "backward_s": p.backward_s, "tail_s": p.tail_s,
+            "decision_s": p.decision_s}
+
+
+def plan_from_dict(d: dict) -> Plan:
+    step_s, backward_s, tail_s, spans, cpu_s = d["timeline"]
+    return Plan(
+        tensors=[TensorProfile(name, int(numel), float(ready),
+                               None if shape is None else tuple(shape), rows)
+                 for name, numel, ready, shape, rows in d["tensors"]],
+        options=[[_option_from_list(o) for o in opts] for opts in d["options"]],
+        choice=[int(c) for c in d["choice"]], groups=[list(g) for g in d["groups"]],
+        fusion_bytes=float(d["fusion_bytes"]),
+        timeline=Timeline(float(step_s), float(backward_s), float(tail_s),
+                          tuple(tuple(g) for g in spans), float(cpu_s)),
+        model=CostModel.from_dict(d["model"]), backward_s=float(d["backward_s"]),
+        tail_s=float(d["tail_s"]), decision_s=float(d["decision_s"]))

@@ -64,16 +64,123 @@ def test_slow_link_plan_is_the_same_on_every_rank_and_compresses_the_weights():
                                                               False]
 
 
+def _grads_as_planned(rank, world, compression_kwargs):
+    """Per step: each rank's own gradients (a plain copy of the model), what the planned
+    exchange averaged, and the level the plan gave each tensor at that step."""
+    import copy
+    import cgx.torch as hvd
+    hvd.init()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvd.Compression.planned(**compression_kwargs))
+    g = torch.Generator().manual_seed(rank)
+    steps = []
+    for _ in range(STEPS):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        plain = copy.deepcopy(model)  # no cgx hooks: this rank's own gradients
+        torch.nn.functional.cross_entropy(plain(x), y).backward()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        steps.append({"local": [p.grad.clone() for p in plain.parameters()],
+                      "reduced": [p.grad.clone() for p in model.parameters()],
+                      "levels": [r["level"] for r in opt.compression_plan()]})
+        with opt.skip_synchronize():
+            opt.step()
+    return {"steps": steps, "chosen": [o.name for o in opt.exchange_plan().chosen]}
+
+
+def _quantizer_bound(local: list, out: torch.Tensor, bits: int) -> float:
+    """SRA's error bound with stochastic rounding (cgx.collectives.algorithms): each
+    peer's share under one unit of its bucket, scaled by 1/W, and the final
+    requantization under one unit of the sum's; a unit is at most the tensor's range
+    over 2^bits - 1 levels."""
+    levels = 2 ** bits - 1
+    peers = (len(local) - 1) / len(local) * max(float(t.max() - t.min()) for t in local) / levels
+    # the requantized sum is off the exact one by the peers' share: its range too
+    return peers + (float(out.max() - out.min()) + 2 * peers) / levels
+
+
 @pytest.mark.multiproc
-def test_fast_link_keeps_everything_exact_and_matches_the_exact_exchange():
-    planned, _ = run_gloo(_train, 2, {"calibrate_steps": 2, "assume_gbit": 1e6})
-    exact, _ = run_gloo(_train, 2, {}, True)
-    assert set(planned["chosen"]) == {"exact"}
-    assert set(planned["levels"]) == {"exact"}
-    # Steps 0-1 were quantized while tracing; from step 2 the exchange is exact. The
-    # models differ by those two steps' quantization error only.
-    diffs = [float((p - q).abs().max()) for p, q in zip(planned["params"], exact["params"])]
-    assert 0 < max(diffs) < 0.05, diffs
+@pytest.mark.parametrize("world", [2, 3])
+def test_fast_link_keeps_everything_exact_and_matches_the_exact_exchange(world):
+    ranks = run_gloo(_grads_as_planned, world, {"calibrate_steps": 2, "assume_gbit": 1e6})
+    assert set(ranks[0]["chosen"]) == {"exact"}
+    levels = [s["levels"] for s in ranks[0]["steps"]]
+    # Steps 0-1 trace with the uniform 4-bit exchange (biases exact by the rules); from
+    # step 2 the plan sends everything exact.
+    assert levels[:2] == [["4-bit/1024", "exact"] * 3] * 2
+    assert levels[2:] == [["exact"] * 6] * (STEPS - 2)
+    for step in range(STEPS):
+        for i, level in enumerate(levels[step]):
+            local = [r["steps"][step]["local"][i] for r in ranks]
+            exact = sum(local) / world
+            for r in ranks:
+                out = r["steps"][step]["reduced"][i]
+                assert torch.equal(out, ranks[0]["steps"][step]["reduced"][i])
+                err = float((out - exact).abs().max())
+                if level == "exact":  # what the exact exchange gives, to float32 rounding
+                    assert torch.allclose(out, exact, rtol=1e-6, atol=1e-8), (step, i, err)
+                else:  # quantized: off, but within the quantizer's bound
+                    assert 0 < err <= _quantizer_bound(local, exact, 4), (step, i, err)
+
+
+def _resumable(rank, world, steps, saved=None):
+    """Drift checks every 2 steps with a tolerance no measurement meets, so every check
+    re-plans except the one right after a re-plan (see the drift test below). ``saved``:
+    per rank, the state of a run stopped earlier, which this fresh process continues."""
+    import cgx.torch as hvd
+    hvd.init()
+    model = _model()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.planned(calibrate_steps=2, replan_every=2,
+                                            drift_tolerance=1e-9, assume_gbit=0.001))
+    start, plan_on_load = 0, None
+    if saved is not None:
+        saved = saved[rank]
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        start = saved["next_step"]
+        p = opt.exchange_plan()
+        plan_on_load = None if p is None else p.step_s
+    for step in range(start, steps):
+        g = torch.Generator().manual_seed(1000 * rank + step)  # the same data when resumed
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {"checks": [(c.step, c.replanned) for c in opt.exchange_checks()],
+            "ratios": {c.step: c.expected_ratio for c in opt.exchange_checks()},
+            "predicted": {c.step: c.predicted_s for c in opt.exchange_checks()},
+            "plan_on_load": plan_on_load,
+            "step_s": None if opt.exchange_plan() is None else opt.exchange_plan().step_s,
+            "model": model.state_dict(), "opt": opt.state_dict(), "next_step": steps,
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.multiproc
+def test_a_resumed_run_checks_for_drift_and_replans_like_the_uninterrupted_one():
+    full = run_gloo(_resumable, 2, 9)
+    # Planned at step 2; checks at 4 (re-plan), 6 (takes the model's bias), 8 (re-plan)...
+    expected = [(4, True), (6, False), (8, True)]
+    assert full[0]["checks"] == expected == full[1]["checks"]
+    # Stopped after step 4 (just re-planned for drift), continued in fresh processes.
+    first = run_gloo(_resumable, 2, 5)
+    assert first[0]["checks"] == expected[:1]
+    resumed = run_gloo(_resumable, 2, 9, first)
+    for r in range(2):
+        saved, again = first[r], resumed[r]
+        # The plan came back with the checkpoint: exchange_plan() and its prediction.
+        assert again["plan_on_load"] is not None and again["plan_on_load"] == saved["step_s"]
+        assert again["checks"] == expected  # the same checks, the same re-plans
+        # Step 6 compared with the plan made at step 4 and took its ratio as the model's
+        # bias (the first check after a drift re-plan); step 8 was judged against it.
+        assert again["predicted"][6] == saved["step_s"]
+        assert again["ratios"][8] == again["ratios"][6] != 1.0
+        for p, q in zip(again["params"], full[r]["params"]):
+            assert torch.equal(p, q)
 
 
 @pytest.mark.multiproc
