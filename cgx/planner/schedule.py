@@ -9,6 +9,10 @@ Timeline (``c`` = calibrate_steps)::
                    collective, the slowest rank's), the quantizer's throughput is agreed
                    (MIN over ranks), and the planner fixes each tensor's option
 
+    when the set of gradients changes (parameters frozen, unfrozen or added: the optimizer
+                   rebuilds its exchange and loads this state into it), the new set is
+                   traced again for ``c`` steps from the next one, then planned
+
     every ``replan_every`` steps after a plan, at the first reduction of the step: the
                    measured step (first gradient ready to the end of the step's last
                    reduction) is agreed (MAX over ranks of each rank's median) and compared
@@ -85,6 +89,9 @@ class PlannedSchedule:
         self.plan: Optional[Plan] = None
         self.planned_at: Optional[int] = None  # the step of the last plan
         self.checks: list[DriftCheck] = []  # every drift check, in order
+        # Tracing runs from this step for calibrate_steps steps (None: from the next step
+        # seen; after the set of gradients changed).
+        self._trace_from: Optional[int] = 0
         # The latest ready times (seconds after the step's first), per tensor.
         window = max(settings.calibrate_steps, 5)
         self._ready = [collections.deque(maxlen=window) for _ in self.names]
@@ -112,7 +119,8 @@ class PlannedSchedule:
 
     # -- engine thread ------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return self.chosen is None and step >= self.settings.calibrate_steps
+        return self.chosen is None and self._trace_from is not None and \
+            step >= self._trace_from + self.settings.calibrate_steps
 
     def note_reduced(self, step: int) -> None:
         """A reduction of ``step`` finished (engine thread)."""
@@ -121,6 +129,8 @@ class PlannedSchedule:
     def begin_step(self, step: int, transport, verbose: bool = False, timeline=None) -> None:
         """The first reduction of ``step`` on every rank: plan when due, check for drift.
         Plans and checks are also marked on ``timeline`` (``cgx.timeline``) when given."""
+        if self._trace_from is None:
+            self._trace_from = step
         if self._end is not None and self.planned_at is not None:
             # The previous step's exchange ended with its latest reduction. The first
             # step after a plan still carries the calibration; it is not measured.
@@ -304,7 +314,8 @@ class PlannedSchedule:
                 "checks": [dataclasses.asdict(c) for c in self.checks],
                 "ratio": self._ratio, "calibrate_ratio": self._calibrate_ratio,
                 "ready": [list(r) for r in self._ready],
-                "measured": self._measured + self._pending_measurement()}
+                "measured": self._measured + self._pending_measurement(),
+                "trace_from": self._trace_from}
 
     def _pending_measurement(self) -> list[float]:
         """The step whose exchange ended last, measured: ``begin_step`` adds it at the next
@@ -320,10 +331,8 @@ class PlannedSchedule:
             raise ValueError(f"planned-exchange state of format {state.get('format')!r}; this "
                              f"version reads format {STATE_FORMAT}")
         if state["names"] != self.names:
-            raise ValueError("the saved planned exchange is for other gradients "
-                             f"({len(state['names'])} tensors, first {state['names'][:1]}) "
-                             f"than this optimizer's ({len(self.names)}); restore it into the "
-                             "same model")
+            self._adopt(state)
+            return
         self.chosen = None if state["chosen"] is None else list(state["chosen"])
         cost = state.get("cost")
         self.cost = None if cost is None else CostModel.from_dict(cost)
@@ -343,6 +352,29 @@ class PlannedSchedule:
             queue.clear()
             queue.extend(float(t) for t in times)
         self._measured = [float(t) for t in state.get("measured", [])]
+        self._trace_from = state.get("trace_from", 0)
+        self._starts, self._end = {}, None
+
+    def _adopt(self, state: dict) -> None:
+        """The state of an exchange of other gradients (this optimizer's, before parameters
+        were frozen, unfrozen or added): its plan does not fit them. The machine's model and
+        the drift checks so far carry over, and each gradient's ready times by name; this
+        set is traced again (the uniform quantized exchange) from the next step, then
+        planned. Every rank changes its parameters alike, so every rank does the same."""
+        position = {n: i for i, n in enumerate(state["names"])}
+        ready = state.get("ready", [])
+        for name, queue in zip(self.names, self._ready):
+            j = position.get(name)
+            queue.clear()
+            if j is not None and j < len(ready):
+                queue.extend(float(t) for t in ready[j])
+        cost = state.get("cost")
+        self.cost = None if cost is None else CostModel.from_dict(cost)
+        self.checks = [DriftCheck(**c) for c in state.get("checks", [])]
+        self.chosen, self.plan, self.planned_at = None, None, None
+        self._factors_planned, self._factor_rows = {}, {}
+        self._ratio, self._calibrate_ratio, self._measured = 1.0, False, []
+        self._trace_from = None
         self._starts, self._end = {}, None
 
 

@@ -285,6 +285,35 @@ def test_the_plan_weighs_sufficient_factors_against_its_compressed_option():
     assert again.cost == sched.cost
 
 
+def test_a_changed_set_of_gradients_is_traced_again_then_planned():
+    """The optimizer rebuilds its exchange when parameters are frozen, unfrozen or added
+    and loads the old state into it: the old plan does not fit the new set, so the new
+    set is traced for calibrate_steps steps from the next one; the ready times of the
+    gradients in both sets carry over by name."""
+    from cgx.compression.planned import PlannedCompression
+    from cgx.planner.schedule import PlannedSchedule
+    from cgx.quant.codec import QuantSpec
+    spec = QuantSpec(4, 1024)
+    old = PlannedSchedule(["a.weight", "b.weight"], [(64, 64), (64, 64)], [spec, spec],
+                          PlannedCompression(calibrate_steps=2, assume_gbit=1.0))
+    traced = old.state_dict()
+    traced["ready"] = [[0.3] * 3, [0.1] * 3]  # seconds after backward's first gradient
+    old.load_state_dict(traced)
+    old.replan(_TwoRanksHere(), step=2)
+    assert old.chosen is not None and not old.due(7)
+    new = PlannedSchedule(["b.weight", "c.weight"], [(64, 64), (64, 64)], [spec, spec],
+                          PlannedCompression(calibrate_steps=2, assume_gbit=1.0))
+    new.load_state_dict(old.state_dict())
+    assert new.chosen is None and new.plan is None and new.specs() == [spec, spec]
+    assert new.state_dict()["ready"] == [[0.1] * 3, []]
+    assert new.cost == old.cost
+    assert not new.due(7)  # tracing starts at the next step seen...
+    new.begin_step(7, _TwoRanksHere())
+    assert not new.due(8) and new.due(9)  # ...and lasts calibrate_steps steps
+    new.begin_step(9, _TwoRanksHere())
+    assert new.chosen is not None and new.planned_at == 9
+
+
 def _sfb_planned(rank, world, rows=64):
     import cgx.torch as hvd
     hvd.init()
