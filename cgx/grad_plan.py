@@ -218,17 +218,19 @@ class GradientPlan:
         # AUTO: the per-layer plan; layers the rules leave exact are not planned.
         self.adaptive = AdaptiveSchedule(
             self.names, self.shapes, [s is not None for s in self.specs], comp,
-            cfg if cfg.quantization_enabled else cfg.replace(bits=4)) \
-            if mode is GradMode.AUTO else None
+            cfg if cfg.quantization_enabled else cfg.replace(bits=4),
+            error_feedback=error_feedback) if mode is GradMode.AUTO else None
         # AUTO: layers planned to top-k or PowerSGD reduce through these (per-layer density
-        # and rank set from the plan; both keep their residuals, PowerSGD its warm starts).
+        # and rank set from the plan; with error feedback both keep their residuals, as
+        # quantized layers do: one rule for every family; PowerSGD keeps its warm starts).
         self._auto_topk = self._auto_psgd = None
         self._owed: dict[str, torch.Tensor] = {}  # AUTO: residuals to send once (family change)
         if mode is GradMode.AUTO:
             from cgx.compression.powersgd import PowerSGDCompressor
             from cgx.compression.topk import TopKCompressor
             self._auto_topk = ErrorFeedback(TopKCompressor())
-            self._auto_psgd = PowerSGDCompressor(min_compression_rate=0.0)
+            self._auto_psgd = PowerSGDCompressor(min_compression_rate=0.0,
+                                                 error_feedback=error_feedback)
         # PLANNED: traced first, then each tensor exact or quantized (cgx.planner).
         self.planned = None
         if mode is GradMode.PLANNED:
@@ -440,7 +442,7 @@ class GradientPlan:
                 with _untouched(inner if f is P else comp, ns):
                     self._reduce_family(red, inner, ws, ns)
             else:
-                self._reduce_family(red, comp, ws, ns)
+                self._reduce_family(red, comp if self.error_feedback else inner, ws, ns)
 
     def _collect_residuals(self, old_plan: list) -> None:
         """After a re-plan: what the old compressor of each layer that changed family still

@@ -4,9 +4,9 @@ Reference: I. Markov, K. Alimohammadi, E. Frantar, D. Alistarh, "L-GreCo: Layerw
 Gradient Compression for Efficient Data-parallel Deep Learning", MLSys 2024.
 
 Layers differ by orders of magnitude in size and in how much compression hurts
-them. Over a window of steps cgx accumulates each layer's gradient, measures the
-error every candidate level would make on it (:mod:`.stats`, combined over all
-ranks), and picks per layer the level that minimizes the bytes sent subject to
+them. Over a window of steps cgx measures, on sampled steps' gradients, the
+error of what every candidate level would send (:mod:`.stats`, combined over
+all ranks), and picks per layer the level that minimizes the bytes sent subject to
 a total error of at most ``alpha`` times that of the uniform default
 (:mod:`.solver`, a knapsack dynamic program with backtracking). The plan is
 recomputed every ``adjust_every`` steps (:mod:`.schedule`); every rank derives
@@ -15,8 +15,8 @@ the same plan from the same allreduced table.
 Candidates (:mod:`.candidates`): quantization (bits 2..8 x bucket sizes
 128..4096), top-k densities, PowerSGD ranks, and exact for layers where nothing
 else fits; by default a layer may pick any family (the mixed mode), or one
-family alone (L-GreCo's single-family modes). Error feedback for quantized
-layers follows the optimizer's update rule (:mod:`.compensation`). Used by
+family alone (L-GreCo's single-family modes). Error feedback, in every family,
+follows the optimizer's update rule (:mod:`.compensation`). Used by
 ``DistributedOptimizer``, the DDP hook and Keras via
 ``compression=Compression.auto(...)``, ``"auto"`` or ``CGX_COMPRESSION=auto``.
 """

@@ -1,4 +1,4 @@
-"""Whether ``auto`` feeds quantization errors back: decided by the optimizer's update rule.
+"""Whether ``auto`` feeds compression errors back: decided by the optimizer's update rule.
 
 Error feedback adds what compression dropped to the next step's gradient, so
 the sum of what is sent over many steps equals the sum of the gradients. An
@@ -11,10 +11,13 @@ it (benchmarks/adaptive.py, a transformer LM, 2 ranks, 400 AdamW steps: 2-bit
 with error feedback 10% above fp32's validation loss, without 5%; moving-average
 and decayed residuals in LoCo's spirit sat between the two, never below "off").
 
-So ``Compression.auto(error_feedback=None)`` (the default) keeps residuals of
-quantized layers under linear optimizers and not under adaptive ones; an
-optimizer it does not know leaves ``CGX_COMPRESSION_ERROR_FEEDBACK`` in charge.
-Top-k and PowerSGD layers always keep theirs: both are biased without it.
+So ``Compression.auto(error_feedback=None)`` (the default) keeps residuals
+under linear optimizers and not under adaptive ones; an optimizer it does not
+know leaves ``CGX_COMPRESSION_ERROR_FEEDBACK`` in charge. The rule is the same
+for every family: top-k and PowerSGD are biased without residuals, but under
+Adam their residuals' bursts are what hurt, and each candidate's error is
+measured on what it sends without them (:mod:`cgx.adaptive.stats`), so the
+plan picks them only where that error fits the budget.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def update_rule_of(optimizer) -> UpdateRule:
 
 
 def error_feedback_for(explicit: Optional[bool], rule: UpdateRule, configured: bool) -> bool:
-    """Whether quantized layers keep residuals: ``explicit`` when given, else by ``rule``
+    """Whether auto's layers keep residuals: ``explicit`` when given, else by ``rule``
     (``configured``, the environment's setting, for an unknown optimizer)."""
     if explicit is not None:
         return bool(explicit)

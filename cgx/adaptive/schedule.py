@@ -3,12 +3,14 @@
 Timeline (``w`` = warmup_steps, ``n`` = window, ``A`` = adjust_every)::
 
     steps [0, w)           exact exchange (warm-up)
-    steps [w, w + n)       the uniform default; gradients accumulated
+    steps [w, w + n)       the uniform default; each candidate's error measured on
+                           sampled steps' gradients (cgx.adaptive.stats)
     step  w + n            first plan, then every A steps: each plan from the
-                           gradients of the n steps before it
+                           measurements of the n steps before it
 
-The statistics (one table per rank) are averaged with one allreduce and the
-solver is deterministic, so every rank holds the same plan. A plan change
+The measurements (one table per rank) are added up with one allreduce and the
+solver is deterministic, so every rank holds the same plan. A layer with no
+gradient during a window keeps its level. A plan change
 keeps what it can: error-feedback residuals stay with their layers (a layer
 that turns exact hands its residual over to its next gradient).
 """
@@ -23,11 +25,11 @@ import torch
 
 from cgx.adaptive.candidates import Candidate, Family, candidates_for
 from cgx.adaptive.solver import solve
-from cgx.adaptive.stats import combine, error_table
+from cgx.adaptive import stats
 from cgx.compression.auto import AutoCompression
 from cgx.config import Config, Rounding
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 1: the window's summed gradients instead of its measurements
 
 
 class AdaptiveSchedule:
@@ -38,7 +40,9 @@ class AdaptiveSchedule:
         eligible: which gradients may be compressed at all (the layer rules:
             small and 1-D tensors stay exact and are not planned).
         settings: the :class:`AutoCompression` settings.
-        config: defaults (the uniform default level, rounding, error feedback).
+        config: defaults (the uniform default level, rounding).
+        error_feedback: whether the exchange keeps residuals (it decides which families
+            are offered: :func:`offered_families`).
 
     Attributes:
         plan: the current :class:`Candidate` per gradient (None: not planned, exact).
@@ -47,12 +51,13 @@ class AdaptiveSchedule:
     """
 
     def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]],
-                 eligible: Sequence[bool], settings: AutoCompression, config: Config):
+                 eligible: Sequence[bool], settings: AutoCompression, config: Config,
+                 error_feedback: bool = True):
         self.names = list(names)
         self.shapes = [tuple(s) for s in shapes]
         self.settings = settings
         self.rounding: Rounding = settings.rounding or config.rounding
-        fams = [Family(f) for f in settings.families]
+        fams = offered_families(settings.families, error_feedback)
         self.default = default_candidate(fams, config, settings)
         self.candidates = [candidates_for(s, fams, settings.bits, settings.bucket_sizes,
                                           settings.densities, settings.ranks)
@@ -74,8 +79,13 @@ class AdaptiveSchedule:
         self.next_plan = settings.warmup_steps + settings.window
         self.plans_made = 0
         self.hidden: set = set()  # layers the planner keeps exact (compressing saves no time)
-        self._acc: dict[str, torch.Tensor] = {}
-        self._errors: Optional[list] = None  # combined table of the last plan
+        # The window's measurements (cgx.adaptive.stats): per layer name, the sum of each
+        # candidate's errors over the sampled steps with a gradient, and their number.
+        self._sums: dict[str, list] = {}
+        self._counts: dict[str, int] = {}
+        self.scorer = stats.PowerSGDScorer()  # warm-started PowerSGD, as the exchange runs it
+        self.threads = config.cpu_threads  # of the quantizer in the measurements
+        self._errors: Optional[dict] = None  # layer index -> (combined errors, costs)
         self.budget = 0.0
 
     # -- what travels now ------------------------------------------------------------
@@ -94,21 +104,31 @@ class AdaptiveSchedule:
         return self.next_plan - self.settings.window <= step < self.next_plan
 
     def observe(self, step: int, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
-        """Add this step's gradients (without residuals) to the window's sums.
+        """Measure this step's gradients (without residuals), when the step is one of the
+        window's samples (see :mod:`cgx.adaptive.stats`).
 
-        Hidden cost: one add per planned gradient during the ``window`` steps
-        before a plan, and one float32 buffer per planned layer meanwhile.
+        Hidden cost: at every window step, one PowerSGD power iteration per layer that may
+        pick PowerSGD and one check for an all-zero gradient (a host sync) per layer; at
+        the sampled steps, one quantize pass per quantization candidate and one top-k.
         """
         if not self.observing(step):
             return
+        measure = stats.sampled(step - (self.next_plan - self.settings.window),
+                                self.settings.window)
         for i, g in zip(indices, grads):
-            if self.candidates[i] is None:
+            cands = self.candidates[i]
+            if cands is None or not bool(g.detach().any()):  # no gradient: nothing to learn
                 continue
-            acc = self._acc.get(self.names[i])
-            if acc is None:
-                self._acc[self.names[i]] = g.detach().reshape(-1).to(torch.float32).clone()
-            else:
-                acc.add_(g.detach().reshape(-1))
+            name, g = self.names[i], g.detach().reshape(-1).to(torch.float32)
+            ranks = [c.rank for c in cands if c.family is Family.POWERSGD]
+            low = self.scorer.step(name, g, self.shapes[i], ranks, measure) if ranks else None
+            if not measure:
+                continue
+            errs = stats.candidate_errors(g, cands, rounding=self.rounding, threads=self.threads,
+                                          key=stats.step_key(step, name), lowrank=low)
+            old = self._sums.get(name)
+            self._sums[name] = errs if old is None else [a + b for a, b in zip(old, errs)]
+            self._counts[name] = self._counts.get(name, 0) + 1
 
     def due(self, step: int) -> bool:
         return step >= self.next_plan
@@ -116,7 +136,7 @@ class AdaptiveSchedule:
     def replan_soon(self, step: int) -> None:
         """Make the next plan from the ``window`` steps starting at ``step`` (e.g. at the end
         of an epoch; every rank calls it at the same step)."""
-        self._acc.clear()
+        self._clear_window()
         self.next_plan = max(step, self.settings.warmup_steps) + self.settings.window
 
     def plan_summary(self) -> dict:
@@ -144,44 +164,62 @@ class AdaptiveSchedule:
 
     def replan(self, step: int, transport, threads: int = 1, verbose: bool = False,
                hidden: Sequence[int] = ()) -> bool:
-        """Make the next plan from the window's sums (a collective: call it on every rank at
-        the same point). Returns True when the plan changed.
+        """Make the next plan from the window's measurements (a collective: call it on every
+        rank at the same point). Returns True when the plan changed.
+
+        A layer that no rank measured in the window (no gradient at any sampled step:
+        unused, frozen, a branch not taken) keeps its level: zero error for every
+        candidate would give it the most aggressive one.
 
         ``hidden``: gradients for which the planner found that compressing saves no time
         (their exchange hides under backward, or is cheaper than compressing): they stay
         exact (no error), and the budget, still that of the uniform default on every
-        layer, goes to the others."""
+        layer, goes to the others. ``threads`` is not used (the errors are measured
+        during the window, by :meth:`observe`)."""
         self.hidden = {self.names[i] for i in hidden}
         planned = [i for i, c in enumerate(self.candidates) if c is not None]
-        grads = [self._acc.get(self.names[i], torch.zeros(math.prod(self.shapes[i])))
-                 for i in planned]
-        local = error_table(grads, [self.candidates[i] for i in planned], threads,
-                            [self.shapes[i] for i in planned])
-        errors = combine(local, transport)
-        costs = [[c.traffic(self.shapes[i], transport.size) for c in self.candidates[i]]
-                 for i in planned]
-        ref = [self.candidates[i].index(self.reference[i]) for i in planned]
-        self.budget = self.settings.alpha * sum(e[j] for e, j in zip(errors, ref))
-        exact = Candidate(Family.EXACT)
-        for k, i in enumerate(planned):
-            if self.names[i] in self.hidden:  # only exact is offered, and it costs nothing
-                j = self.candidates[i].index(exact)
-                costs[k] = [0.0 if jj == j else math.inf for jj in range(len(costs[k]))]
-        if self.hidden:
-            ref = None  # the uniform default no longer fits the hidden layers' choices
-        solution = solve(costs, errors, self.budget, reference=ref)
+        names = [self.names[i] for i in planned]
+        errors = stats.combine([self._sums.get(n, [0.0] * len(self.candidates[i]))
+                                for n, i in zip(names, planned)],
+                               [self._counts.get(n, 0) for n in names], transport)
         old = list(self.plan)
-        for i, j in zip(planned, solution.choice):
-            self.plan[i] = self.candidates[i][j]
-        self._errors = {i: (errors[k], costs[k]) for k, i in enumerate(planned)}
+        measured = [(i, e) for i, e in zip(planned, errors) if e is not None]
+        for i, e in zip(planned, errors):
+            if e is None and self.names[i] in self.hidden:
+                self.plan[i] = Candidate(Family.EXACT)
+        if measured:
+            self._solve([i for i, _ in measured], [e for _, e in measured], transport.size)
         self.plans_made += 1
-        self._acc.clear()
+        self._clear_window()
         self.next_plan = step + self.settings.adjust_every
         changed = old != self.plan
         if verbose and changed and transport.rank == 0:
             print(f"[cgx] compression plan {self.plans_made} at step {step}:\n"
                   + format_plan(self.rows()), file=sys.stderr, flush=True)
         return changed
+
+    def _solve(self, layers: list, errors: list, world: int) -> None:
+        """The knapsack over ``layers`` (their combined ``errors``); sets their plan."""
+        costs = [[c.traffic(self.shapes[i], world) for c in self.candidates[i]] for i in layers]
+        ref = [self.candidates[i].index(self.reference[i]) for i in layers]
+        self.budget = self.settings.alpha * sum(e[j] for e, j in zip(errors, ref))
+        exact = Candidate(Family.EXACT)
+        for k, i in enumerate(layers):
+            if self.names[i] in self.hidden:  # only exact is offered, and it costs nothing
+                j = self.candidates[i].index(exact)
+                costs[k] = [0.0 if jj == j else math.inf for jj in range(len(costs[k]))]
+        if self.hidden:
+            ref = None  # the uniform default no longer fits the hidden layers' choices
+        solution = solve(costs, errors, self.budget, reference=ref)
+        for i, j in zip(layers, solution.choice):
+            self.plan[i] = self.candidates[i][j]
+        self._errors = {**(self._errors or {}),
+                        **{i: (errors[k], costs[k]) for k, i in enumerate(layers)}}
+
+    def _clear_window(self) -> None:
+        """Forget the window's measurements (the warm start of the PowerSGD scorer stays)."""
+        self._sums.clear()
+        self._counts.clear()
 
     # -- visibility --------------------------------------------------------------------
 
@@ -212,11 +250,13 @@ class AdaptiveSchedule:
                 "plan": {n: c.as_list() for n, c in zip(self.names, self.plan) if c is not None},
                 "errors": None if self._errors is None else
                 {self.names[i]: v for i, v in self._errors.items()},
-                "acc": {k: v.clone() for k, v in self._acc.items()}}
+                "sums": {k: list(v) for k, v in self._sums.items()},
+                "counts": dict(self._counts), "scorer": self.scorer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"expected an adaptive-plan state of format {STATE_FORMAT}")
+        if not isinstance(state, dict) or state.get("format") not in (1, STATE_FORMAT):
+            raise ValueError(f"expected an adaptive-plan state of format {STATE_FORMAT} (from "
+                             f"state_dict()), got {type(state).__name__}")
         # By layer name: layers added since (unfrozen, a new param group) keep the default.
         self.next_plan = int(state["next_plan"])
         self.plans_made = int(state["plans_made"])
@@ -229,14 +269,35 @@ class AdaptiveSchedule:
         index = {n: i for i, n in enumerate(self.names)}
         self._errors = None if state["errors"] is None else \
             {index[n]: v for n, v in state["errors"].items() if n in index}
-        self._acc = {k: v.clone() for k, v in state["acc"].items() if k in index}
+        # Format 1 kept summed gradients, not measurements: its window starts over.
+        self._sums = {k: list(v) for k, v in state.get("sums", {}).items() if k in index}
+        self._counts = {k: int(v) for k, v in state.get("counts", {}).items() if k in index}
+        if "scorer" in state:
+            self.scorer.load_state_dict(state["scorer"])
+
+
+def offered_families(families: Sequence[str], error_feedback: bool) -> list:
+    """The families auto chooses from: ``families``, less top-k and PowerSGD when there is
+    no error feedback and quantization is offered.
+
+    Without error feedback, top-k and PowerSGD are biased: they drop the same coordinates
+    or directions step after step, and nothing sends them later. A step's error does not
+    show that drift (an LM under AdamW ended 3.6% above fp32's loss with them, against
+    4-bit's 0.1%; docs/results/auto-accuracy.md), while quantization with stochastic
+    rounding is unbiased. Named alone (``families=("topk",)``), they are still offered.
+    """
+    fams = [Family(f) for f in families]
+    if not error_feedback and Family.QUANTIZE in fams:
+        fams = [f for f in fams if f not in (Family.TOPK, Family.POWERSGD)]
+    return fams
 
 
 def default_candidate(families, config: Config, settings: AutoCompression) -> Candidate:
     """The uniform default the error budget is measured against: the configured
     quantization (``CGX_COMPRESSION_QUANTIZATION_BITS`` / ``..._BUCKET_SIZE``,
     4 bits and 1024 by default) when quantization is a choice; else top-k at 1%
-    (or the middle density offered), or PowerSGD at rank 4 (or the middle rank)."""
+    (or the middle density offered), or PowerSGD at rank 4 (or the middle rank);
+    exact when exact is the only family."""
     def middle(values, preferred):
         return preferred if preferred in values else sorted(values)[len(values) // 2]
     if Family.QUANTIZE in families:
@@ -244,7 +305,9 @@ def default_candidate(families, config: Config, settings: AutoCompression) -> Ca
                          config.bucket_size)
     if Family.TOPK in families:
         return Candidate(Family.TOPK, density=middle(settings.densities, 0.01))
-    return Candidate(Family.POWERSGD, rank=middle(settings.ranks, 4))
+    if Family.POWERSGD in families:
+        return Candidate(Family.POWERSGD, rank=middle(settings.ranks, 4))
+    return Candidate(Family.EXACT)
 
 
 def _same_layer(a: str, b: str) -> bool:

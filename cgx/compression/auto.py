@@ -13,6 +13,22 @@ from cgx.compression.base import Compressor, CompressorKind
 from cgx.config import Rounding
 
 FAMILIES = ("quantize", "topk", "powersgd")  # families cgx.adaptive chooses from
+# "exact" alone: every layer travels exact through auto's path (it measures and plans, and
+# exact is the only level): a check of that path against the plain exact exchange.
+EXACT = "exact"
+
+
+def _check_families(families) -> tuple:
+    """``families`` as a tuple of lower-case names; ValueError naming the allowed ones."""
+    fams = (families,) if isinstance(families, str) else tuple(families)
+    if not fams:
+        raise ValueError("families is empty; name at least one, e.g. families=('quantize',)")
+    for f in fams:
+        if str(f).lower() not in FAMILIES + (EXACT,):
+            raise ValueError(f"unknown compressor family {f!r} for Compression.auto; "
+                             f"expected one of: {', '.join(FAMILIES)}, or "
+                             f"families=('{EXACT}',) for no compression at all")
+    return tuple(str(f).lower() for f in fams)
 
 
 class AutoCompression(Compressor):
@@ -24,7 +40,12 @@ class AutoCompression(Compressor):
             ``..._BUCKET_SIZE``); > 0. 1.0: as accurate as the default, fewer bytes.
         families: compressor families a layer may pick from: ``"quantize"``,
             ``"topk"``, ``"powersgd"`` (default: all three, the mixed mode; one
-            family alone compares with L-GreCo's single-family modes).
+            family alone compares with L-GreCo's single-family modes). Without error
+            feedback (Adam-type optimizers), top-k and PowerSGD are offered only when
+            quantization is not (they are biased without it; see
+            :func:`cgx.adaptive.schedule.offered_families`). ``("exact",)``:
+            exact is every layer's only candidate (uncompressed float32 throughout, by the
+            same exchange path: a check of auto's machinery against the exact exchange).
         window: steps whose gradients are accumulated for the statistics (> 0).
         adjust_every: re-plan every this many steps (>= window).
         warmup_steps: exact exchange for the first steps (as PyTorch's
@@ -38,9 +59,10 @@ class AutoCompression(Compressor):
             is cheaper than compressing; from the traced ready times and the measured
             link): they stay exact, and their share of the error budget goes to the others.
         assume_gbit: with ``planner``: plan for a link of this rate instead of measuring it.
-        error_feedback: keep residuals of quantized layers (default:
-            ``CGX_COMPRESSION_ERROR_FEEDBACK``); top-k and PowerSGD layers always
-            keep theirs (both are biased without it).
+        error_feedback: keep residuals, in every family (None: by the optimizer's update
+            rule, on under SGD, off under Adam-type optimizers; for an optimizer cgx
+            does not know, ``CGX_COMPRESSION_ERROR_FEEDBACK``; see
+            :mod:`cgx.adaptive.compensation`).
     """
 
     kind = CompressorKind.QUANTIZE
@@ -58,13 +80,7 @@ class AutoCompression(Compressor):
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
             raise ValueError(f"alpha={alpha!r} must be a number > 0: the plan's error may be "
                              "alpha times the uniform default's (1.0: as accurate)")
-        fams = (families,) if isinstance(families, str) else tuple(families)
-        if not fams:
-            raise ValueError("families is empty; name at least one, e.g. families=('quantize',)")
-        for f in fams:
-            if str(f).lower() not in FAMILIES:
-                raise ValueError(f"unknown compressor family {f!r} for Compression.auto; "
-                                 f"expected one of: {', '.join(FAMILIES)}")
+        fams = _check_families(families)
         for name, v, lo in (("window", window, 1), ("adjust_every", adjust_every, 1),
                             ("warmup_steps", warmup_steps, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -105,7 +121,7 @@ class AutoCompression(Compressor):
             raise TypeError(f"error_feedback must be True, False or None, got "
                             f"{error_feedback!r}")
         self.alpha = float(alpha)
-        self.families = tuple(str(f).lower() for f in fams)
+        self.families = fams
         self.window, self.adjust_every, self.warmup_steps = window, adjust_every, warmup_steps
         self.bits, self.bucket_sizes = bits, bucket_sizes
         self.densities, self.ranks = densities, ranks

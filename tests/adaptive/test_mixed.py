@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from cgx.adaptive import Candidate, Family, candidates_for
-from cgx.adaptive.stats import lowrank_errors, topk_errors
+from cgx.adaptive.stats import PowerSGDScorer, topk_errors
 from cgx.compression import Compression
-from cgx.compression.powersgd import PowerSGDCompressor
+from cgx.compression.powersgd import PowerSGDCompressor, initial_q
 from cgx.compression.topk import TopKCompressor
 from spawn import run_gloo
 
@@ -49,15 +49,47 @@ def test_topk_error_is_what_the_compressor_drops():
         assert topk_errors(x, [k])[0] == pytest.approx(float((x - sent).norm()), rel=1e-5)
 
 
-def test_lowrank_error_is_the_singular_value_tail():
-    g = torch.Generator().manual_seed(1)
-    u, v = torch.randn(120, 120, generator=g), torch.randn(70, 70, generator=g)
-    s = torch.tensor([2.0 ** -i for i in range(70)])  # a decaying spectrum, like gradients'
-    X = torch.linalg.qr(u).Q[:, :70] @ torch.diag(s) @ torch.linalg.qr(v).Q.T
-    exact = torch.linalg.svdvals(X.double())
-    for r, est in zip((1, 2, 4, 8), lowrank_errors(X, X.shape, [1, 2, 4, 8])):
-        tail = float(exact[r:].square().sum().sqrt())
-        assert tail * (1 - 1e-4) <= est <= tail * 1.05
+def test_powersgd_error_is_what_one_warm_started_power_iteration_sends():
+    # One scorer run at the largest rank gives every rank's error: each equals what a
+    # rank-r PowerSGD sends, step after step, from the leading r columns of the warm start.
+    n, m = 64, 48
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, m, generator=g) @ torch.diag(torch.linspace(3, 0.1, m))
+             for _ in range(4)]
+    scorer = PowerSGDScorer()
+    measured = [scorer.step("w", x.reshape(-1), (n, m), [1, 2, 4], True) for x in grads]
+    for j, r in enumerate((1, 2, 4)):
+        comp = PowerSGDCompressor(rank=r, min_compression_rate=0.0, error_feedback=False)
+        comp._q["w"] = initial_q(0, "w", 0, m, 4)[:, :r].clone()
+        for x, errs in zip(grads, measured):
+            sent = comp.decompress(*comp.compress(x, "w"))
+            assert errs[j] == pytest.approx(float((sent - x).norm()), rel=1e-5)
+    # Not the best rank-r approximation: one iteration from a random start is worse.
+    tail = float(torch.linalg.svdvals(grads[0].double())[1:].square().sum().sqrt())
+    assert measured[0][0] > 1.01 * tail
+
+
+def test_quantization_error_is_measured_with_the_exchanges_rounding():
+    from cgx.adaptive import AdaptiveSchedule
+    from cgx.quant.codec import QuantSpec, quantize
+    from cgx.config import Config, Rounding
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
+
+    def measured(rounding):
+        sched = AdaptiveSchedule(["w"], [(64, 64)], [True], Compression.auto(
+            window=1, families=("quantize",), bits=(4,), bucket_sizes=(1024,),
+            rounding=rounding), Config())
+        sched.observe(0, [0], [x.view(64, 64)])
+        return sched._sums["w"][sched.candidates[0].index(sched.default)]
+
+    def sent(rounding, key):
+        y = x.clone()
+        quantize(y, QuantSpec(4, 1024, rounding), write_back=True, key=key)
+        return float((y - x).norm())
+    assert measured("nearest") == pytest.approx(sent(Rounding.NEAREST, 0), rel=1e-6)
+    stochastic = sum(sent(Rounding.STOCHASTIC, k) for k in range(20)) / 20
+    assert measured("stochastic") == pytest.approx(stochastic, rel=0.05)
+    assert stochastic > 1.2 * sent(Rounding.NEAREST, 0)  # the two differ: both are checked
 
 
 @pytest.mark.parametrize("kwargs,match", [
