@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from cgx import session
 from cgx.adaptive.compensation import UpdateRule
-from cgx.compression import Compression
+from cgx.compression import Compression, as_compressor
 from cgx.tensorflow._bridge import WorkBuffers, run_collective, to_tf
 from cgx import runtime
 from cgx.grad_plan import GradientPlan, ready_order_buckets, unique_names
@@ -75,6 +75,12 @@ def check_gradient_args(op, gradient_predivide_factor, who: str):
         raise ValueError("gradient_predivide_factor applies to op=Average only")
 
 
+def cgx_compression(compression):
+    """``compression`` with its string spellings (``"auto"``) made the cgx compressor they
+    name: a string has no ``compress`` of its own to run on the TF side."""
+    return as_compressor(compression) if isinstance(compression, str) else compression
+
+
 class GradientExchange:
     """Reduces lists of TF gradients; one :class:`GradientPlan` per variable set.
 
@@ -99,6 +105,7 @@ class GradientExchange:
                  label: Optional[str] = None, process_set=global_process_set,
                  sparse_as_dense: bool = False, update_rule: UpdateRule = UpdateRule.UNKNOWN):
         check_gradient_args(op, gradient_predivide_factor, "gradient reduction")
+        compression = cgx_compression(compression)
         self._user = tf_side_compressor(compression)
         self.compression = Compression.exact if self._user is not None else compression
         self.op = op

@@ -35,10 +35,17 @@ class CGXState:
         process_group: DDP's process group (None: the default group).
         config: settings (default: ``Config.from_env()``).
         rules: per-layer rules (dict, list or YAML path; see ``cgx.rules``).
-        error_feedback: keep residuals (default: ``config.error_feedback``).
+        error_feedback: keep residuals (default: ``config.error_feedback``; with auto,
+            by the optimizer, see below). With auto, this wins over the optimizer and
+            over ``Compression.auto(error_feedback=...)``.
         compression: ``"auto"`` or ``Compression.auto(...)``: per-layer levels chosen
             within an error budget (``cgx.adaptive``), as in ``DistributedOptimizer``;
-            also when ``CGX_COMPRESSION=auto``. None: the fixed per-layer specs.
+            also when ``CGX_COMPRESSION=auto`` (with the ``CGX_AUTO_*`` settings).
+            None: the fixed per-layer specs. The object passed is not changed.
+        optimizer: the ``torch.optim`` optimizer that applies the averaged gradients
+            (auto only): as in ``DistributedOptimizer``, auto keeps error-feedback
+            residuals under SGD and not under Adam-type optimizers. Without it (and
+            without ``error_feedback``), ``CGX_COMPRESSION_ERROR_FEEDBACK`` decides.
 
     The state pickles (the process group and engine are rebuilt on first use),
     and ``state_dict()``/``load_state_dict()`` carry residuals, the step and the plan.
@@ -46,7 +53,8 @@ class CGXState:
 
     def __init__(self, model: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None,
                  config: Optional[Config] = None, rules=None,
-                 error_feedback: Optional[bool] = None, compression=None):
+                 error_feedback: Optional[bool] = None, compression=None,
+                 optimizer: Optional[torch.optim.Optimizer] = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"CGXState needs the model (a torch.nn.Module) for parameter names, "
                             f"got {type(model).__name__}")
@@ -63,17 +71,18 @@ class CGXState:
         # compression="auto": one GradientPlan over all parameters (it owns the residuals).
         self._plan = None
         if compression is not None or self.config.compression is CompressionMode.AUTO:
-            from cgx.compression import AutoCompression, as_compressor
+            from cgx.adaptive.compensation import UpdateRule, update_rule_of
             from cgx.grad_plan import GradientPlan
-            comp = as_compressor(compression if compression is not None else "auto")
-            if not isinstance(comp, AutoCompression):
-                raise ValueError(f"CGXState takes compression='auto' or Compression.auto(...) "
-                                 f"(other settings come from CGX_* variables), got {comp!r}")
-            if error_feedback is not None:
-                comp.error_feedback = bool(error_feedback)
+            if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizer must be the torch.optim.Optimizer that applies the "
+                                f"gradients, got {type(optimizer).__name__}")
             named = list(module.named_parameters())
-            self._plan = GradientPlan([n for n, _ in named], [tuple(p.shape) for _, p in named],
-                                      comp, rules=rules_source, config=self.config)
+            self._plan = GradientPlan(
+                [n for n, _ in named], [tuple(p.shape) for _, p in named],
+                _auto_settings(compression, self.config, error_feedback), rules=rules_source,
+                config=self.config, update_rule=UpdateRule.UNKNOWN if optimizer is None
+                else update_rule_of(optimizer))
+            self.error_feedback = self._plan.error_feedback
             self._index = {id(p): i for i, (_, p) in enumerate(named)}
         # -- internal state (checkpointed) --
         self.iteration = 0  # buckets of one backward share it; advanced by bucket 0
@@ -124,6 +133,26 @@ class CGXState:
             e = torch.zeros(numel, dtype=torch.float32, device=device)
             self.residuals[name] = e
         return e
+
+
+def _auto_settings(compression, config: Config, error_feedback: Optional[bool]):
+    """The ``Compression.auto`` settings the hook plans with: ``compression`` (a copy when
+    ``error_feedback`` overrides it: the caller's object is never changed), or those of
+    ``CGX_AUTO_*`` when ``CGX_COMPRESSION=auto`` and ``compression`` is None."""
+    import copy
+    from cgx.compression import AutoCompression, as_compressor
+    if compression is None:
+        comp = AutoCompression(alpha=config.auto_alpha, window=config.auto_window,
+                               adjust_every=config.auto_adjust_every)
+    else:
+        comp = as_compressor(compression)
+    if not isinstance(comp, AutoCompression):
+        raise ValueError(f"CGXState takes compression='auto' or Compression.auto(...) "
+                         f"(other settings come from CGX_* variables), got {comp!r}")
+    if error_feedback is not None:
+        comp = copy.copy(comp)
+        comp.error_feedback = bool(error_feedback)
+    return comp
 
 
 def _reduce(state: CGXState, bucket: dist.GradBucket, fut: torch.futures.Future,

@@ -24,7 +24,7 @@ from keras.src.utils import tracking  # LossScaleOptimizer's tool: build() adds 
 from cgx.adaptive.compensation import update_rule_of
 from cgx.comm.base import ReduceOp
 from cgx.compression import Compression
-from cgx.tensorflow.gradients import GradientExchange, check_gradient_args
+from cgx.tensorflow.gradients import GradientExchange, cgx_compression, check_gradient_args
 from cgx.tensorflow.keras._serialization import compression_from_config, compression_to_config
 from cgx.collectives.functional import Average
 from cgx.tensorflow.ops import resolve_process_set
@@ -120,6 +120,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if not isinstance(average_aggregated_gradients, bool):
             raise TypeError(f"average_aggregated_gradients must be True or False, got "
                             f"{average_aggregated_gradients!r}")
+        compression = cgx_compression(compression)  # "auto": saved in the config as such
         tf_side_compressor(compression)  # TypeError for what cannot be a compressor
         super().__init__(learning_rate=0.0,
                          name=name or f"Distributed{type(optimizer).__name__}")
@@ -284,6 +285,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def set_compression(self, compression) -> None:
         """Use ``compression`` from the next step on (e.g. after loading a saved model)."""
+        compression = cgx_compression(compression)
         tf_side_compressor(compression)
         if self._factors is not None:
             self._factors.set_compression(compression)
