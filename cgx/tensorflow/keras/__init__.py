@@ -48,8 +48,10 @@ from cgx.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo
                               is_homogeneous, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from cgx.tensorflow.keras import callbacks
 from cgx.tensorflow.keras.optimizer import DistributedOptimizer
-from cgx.tensorflow.keras.loss_scale import LossScaleOptimizer
+from cgx.tensorflow.keras.loss_scale import LossScaleOptimizer, install_global_overflow_check
 from cgx.tensorflow.keras.loss_scale import distributed_inside as _distributed_inside
+
+install_global_overflow_check()
 
 
 def _eval(value):

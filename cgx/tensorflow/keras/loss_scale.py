@@ -8,7 +8,9 @@ all ranks skip the same steps and lower the scale together, as the single-proces
 recipe does. ``cgx.tensorflow.keras.DistributedOptimizer`` uses it on its own
 under a ``mixed_float16`` policy, or when handed a Keras ``LossScaleOptimizer``;
 a Keras ``LossScaleOptimizer`` put around a ``DistributedOptimizer`` gets the same
-global check (``check_finite`` is extended for optimizers that wrap one, and only them).
+global check once :func:`install_global_overflow_check` ran (``import
+cgx.tensorflow.keras`` calls it; ``check_finite`` is extended for optimizers that wrap
+a cgx one, recognized by the class attribute :data:`MARKER`, and only them).
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from cgx.collectives.functional import Min
 _keras_check_finite = keras.optimizers.LossScaleOptimizer.check_finite
 
 
+# What cgx's Keras DistributedOptimizer carries as a class attribute: an optimizer that
+# exchanges its gradients over the ranks (recognized here without importing its class).
+MARKER = "cgx_exchanges_gradients"
+
+
 def distributed_inside(opt):
     """The cgx ``DistributedOptimizer`` that ``opt`` is or wraps (through
     ``inner_optimizer``: loss-scale optimizers), else None."""
-    from cgx.tensorflow.keras.optimizer import DistributedOptimizer
     seen = 0
     while opt is not None and seen < 8:
-        if isinstance(opt, DistributedOptimizer):
+        if getattr(type(opt), MARKER, False):
             return opt
         opt, seen = getattr(opt, "inner_optimizer", None), seen + 1
     return None
@@ -46,10 +52,15 @@ def _check_finite_everywhere(self, grads):
     return tf.cast(everywhere, tf.bool)
 
 
-# A user who writes keras.optimizers.LossScaleOptimizer(hvd.DistributedOptimizer(opt))
-# (Horovod's documented order) gets the global check too: without it, that is the hang
-# described above.
-keras.optimizers.LossScaleOptimizer.check_finite = _check_finite_everywhere
+def install_global_overflow_check() -> None:
+    """Give Keras's own ``LossScaleOptimizer`` the check over all ranks, for the optimizers
+    that wrap a cgx one (others keep Keras's check). Called by ``cgx.tensorflow.keras``.
+
+    A user who writes ``keras.optimizers.LossScaleOptimizer(hvd.DistributedOptimizer(opt))``
+    (Horovod's documented order) then gets the global check too: without it, that is the
+    hang described above.
+    """
+    keras.optimizers.LossScaleOptimizer.check_finite = _check_finite_everywhere
 
 
 @keras.saving.register_keras_serializable(package="cgx")
