@@ -3,6 +3,12 @@
 ``shard`` works on torch tensors; these patterns hand it a row index and slice
 their NumPy arrays with the result, so rank r trains on the r-th part of every
 global batch, as in the torch patterns.
+
+Variants (``init(variant)``, ``run_patterns(..., variant=...)``): ``"plain"``, and
+``"auto-exact"``, where the patterns of ``AUTO_PATTERNS`` exchange with ``Compression.auto``
+restricted to the exact candidate (``families=("exact",)``, plans every 2 steps from 1-step
+windows, every kernel planned however small): auto's path with nothing compressed. The
+sufficient-factor patterns take a fixed compression and stay out of it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,17 @@ STEPS = 4
 GLOBAL_BATCH = 12
 
 
-def init():
+VARIANTS = ("plain", "auto-exact")
+_variant = "plain"  # set by init(): what _compression() gives
+
+
+def init(variant: str = "plain"):
+    global _variant
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    _variant = variant
+    if variant == "auto-exact":  # before init: the rules then plan the small kernels too
+        os.environ["CGX_COMPRESSION_MINIMAL_SIZE"] = "0"
     import cgx.tensorflow.keras as hvd
     import tensorflow as tf
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -46,6 +62,12 @@ def _model(seed=0):
                              keras.layers.Dense(3)])
 
 
+def _compression(hvd):
+    if _variant == "auto-exact":
+        return hvd.Compression.auto(families=("exact",), window=1, adjust_every=2)
+    return hvd.Compression.exact
+
+
 def _weights(model):
     return [torch.from_numpy(np.asarray(w)) for w in model.get_weights()]
 
@@ -57,7 +79,7 @@ def fit_with_callbacks_and_validation(hvd, shard):
     # Different initial weights per rank: the broadcast callback makes them rank 0's.
     model = _model(seed=hvd.rank())
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                                     compression=hvd.Compression.exact),
+                                                     compression=_compression(hvd)),
                   loss="mse", jit_compile=False)
     per_rank = GLOBAL_BATCH // hvd.size()
     model.fit(x[rows], y[rows], batch_size=per_rank, epochs=1, shuffle=False, verbose=0,
@@ -79,7 +101,7 @@ def custom_tape_loop(hvd, shard):
     def train_step(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(xb) - yb))
-        tape = hvd_tf.DistributedGradientTape(tape, compression=hvd.Compression.exact)
+        tape = hvd_tf.DistributedGradientTape(tape, compression=_compression(hvd))
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply(grads, model.trainable_variables)
 
@@ -166,3 +188,4 @@ def factors_with_an_extra_loss_term(hvd, shard):
 PATTERNS = {f.__name__: f for f in (fit_with_callbacks_and_validation, custom_tape_loop,
                                     factors_with_a_tied_head, factors_with_a_borrowed_kernel,
                                     factors_with_an_extra_loss_term)}
+AUTO_PATTERNS = ("fit_with_callbacks_and_validation", "custom_tape_loop")

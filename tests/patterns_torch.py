@@ -12,6 +12,10 @@ match the plain single-process reference:
   layer (64 x 16, 12 rows over all ranks) sends factors whenever a step has one
   backward pass; the patterns below with a tied, shared or borrowed weight must take
   the plain path for it.
+* ``"auto-exact"``: ``Compression.auto`` restricted to the exact candidate
+  (``families=("exact",)``), planning every 2 steps from 1-step windows: auto's whole path
+  (measurements, plans, residual bookkeeping) with nothing compressed; the DDP hook pattern
+  too.
 
 A new variant is one more entry in ``VARIANTS`` and one more branch in ``_opt``.
 """
@@ -27,7 +31,7 @@ STEPS = 4
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
 
 
-VARIANTS = ("plain", "sfb")
+VARIANTS = ("plain", "sfb", "auto-exact")
 _variant = "plain"  # set by init(): what _opt's optimizers decide with
 
 
@@ -53,11 +57,17 @@ def _mlp(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
 
 
+def _compression(hvd):
+    if _variant == "auto-exact":
+        return hvd.Compression.auto(families=("exact",), window=1, adjust_every=2)
+    return hvd.Compression.exact
+
+
 def _opt(hvd, model, opt, **kw):
     if _variant == "sfb":
         kw["sufficient_factors"] = model
     return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                    compression=hvd.Compression.exact, **kw)
+                                    compression=_compression(hvd), **kw)
 
 
 def plain_sgd_momentum(hvd, shard):
@@ -224,7 +234,10 @@ def ddp_hook_no_sync(hvd, shard):
     from torch.nn.parallel import DistributedDataParallel as DDP
     model = _mlp()
     ddp = DDP(model)
-    state = cgx.torch.CGXState(ddp, config=Config(bits=32))  # exact
+    if _variant == "auto-exact":  # the default config: auto plans the compressible layers
+        state = cgx.torch.CGXState(ddp, config=Config(), compression=_compression(hvd))
+    else:
+        state = cgx.torch.CGXState(ddp, config=Config(bits=32))  # exact
     ddp.register_comm_hook(state, cgx.torch.cgx_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
@@ -364,9 +377,37 @@ def reused_input_buffer(hvd, shard):
     return list(model.parameters())
 
 
+class _TwoHeads(torch.nn.Module):
+    """Head ``b`` is used from step 2 on: no gradient in the windows before."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(16, 64)
+        self.a = torch.nn.Linear(64, 2)
+        self.b = torch.nn.Linear(64, 2)
+        self.step = 0
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.a(h) + (self.b(h) if self.step >= 2 else 0)
+
+
+def layer_unused_for_a_window(hvd, shard):
+    model = _TwoHeads()
+    opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(STEPS):
+        model.step = step
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(shard(x)), shard(y)).backward()
+        opt.step()
+    return list(model.parameters())
+
+
 PATTERNS = {f.__name__: f for f in (
     plain_sgd_momentum, adam_param_groups, tied_and_reused_weights, accumulation,
     freeze_unfreeze, add_param_group_midway, clipping, grad_scaler, compiled_model,
     sparse_embedding, ddp_hook_no_sync, save_load_resume, replaced_optimizer,
     tied_embedding_head, weight_shared_by_two_modules, functional_use_of_module_weight,
-    reused_input_buffer)}
+    reused_input_buffer, layer_unused_for_a_window)}
