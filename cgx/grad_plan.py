@@ -48,7 +48,7 @@ from cgx.adaptive.compensation import UpdateRule, error_feedback_for
 from cgx.compression.planned import PlannedCompression
 from cgx.compression import (AutoCompression, Compression, CompressorKind, ErrorFeedback,
                              ExactCompressor, QuantizeCompressor, as_compressor)
-from cgx.compression.quantization import FLOAT_DTYPES, QuantSpec
+from cgx.quant.codec import FLOAT_DTYPES, QuantSpec
 from cgx.config import CompressionMode, Config
 from cgx.rules import LayerRules
 

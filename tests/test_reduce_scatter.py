@@ -11,7 +11,7 @@ from spawn import run_gloo
 
 def _rs(rank, world):
     import cgx.torch as hvd
-    from cgx.compression import wire
+    from cgx.quant import wire
     hvd.init()
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(10, 300, generator=g)

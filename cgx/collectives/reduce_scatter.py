@@ -22,8 +22,8 @@ import zlib
 import torch
 
 from cgx.comm.base import ReduceOp, Transport, count_sent, scale_
-from cgx.compression import wire
-from cgx.compression.quantization import FLOAT_DTYPES, QuantSpec
+from cgx.quant import wire
+from cgx.quant.codec import FLOAT_DTYPES, QuantSpec
 from cgx.collectives.algorithms import ReduceContext, sra_scatter
 from cgx.collectives.layout import Block, Piece
 

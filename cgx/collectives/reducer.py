@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from cgx.comm.base import ReduceOp, SentBytes, Transport, count_sent, scale_
-from cgx.compression.quantization import FLOAT_DTYPES, QuantSpec
+from cgx.quant.codec import FLOAT_DTYPES, QuantSpec
 from cgx.config import Config, Hierarchy, ReductionType
 from cgx.collectives import algorithms as alg
 from cgx.collectives import pipeline

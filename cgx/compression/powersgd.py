@@ -55,7 +55,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from cgx.comm.base import ReduceOp, Transport
-from cgx.compression import wire
+from cgx.quant import wire
 from cgx.compression.base import (Compressor, CompressorKind, STATE_FORMAT, accumulate_dtype,
                                   check_float_tensor, check_name, check_reduce_op, check_state,
                                   stable_tensor_id, state_tensor)

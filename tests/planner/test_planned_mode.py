@@ -261,7 +261,7 @@ def test_settings_are_checked():
 
 def test_the_plan_weighs_sufficient_factors_against_its_compressed_option():
     from cgx.compression.planned import PlannedCompression
-    from cgx.compression.quantization import QuantSpec
+    from cgx.quant.codec import QuantSpec
     from cgx.planner.costs import CostModel
     from cgx.planner.schedule import PlannedSchedule
     from cgx.sufficient_factors import worth_it
@@ -397,7 +397,7 @@ def test_ready_times_traced_beside_the_exchange_lose_its_cpu_work(monkeypatch, s
     CPU beside it: the plan starts from the traced times minus that work, once."""
     import cgx.planner.calibration as calibration
     from cgx.compression.planned import PlannedCompression
-    from cgx.compression.quantization import QuantSpec
+    from cgx.quant.codec import QuantSpec
     from cgx.planner import TensorProfile, options_for
     from cgx.planner.schedule import PlannedSchedule
     monkeypatch.setattr(calibration, "contention", lambda *a, **k: shared)
