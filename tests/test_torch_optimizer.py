@@ -376,3 +376,44 @@ def test_user_collectives_concurrent_with_cgx():
     """cgx runs on its own process group, so it never interleaves with the user's."""
     (p0, t0), (p1, t1) = run_gloo(_concurrent_user_collectives, 2, timeout=120)
     assert torch.equal(p0, p1) and t0 == t1 == 2.0
+
+
+# -- a read of param_groups (GradScaler.unscale_) finishes the exchange once --------------
+
+def _param_groups_read(rank, world, read, comp_name):
+    import cgx.torch as hvd
+    from cgx.config import Config
+    hvd.init(Config(minimal_size=0, rounding=__import__("cgx").Rounding.NEAREST))
+    model = _model()
+    comp = hvd.Compression.exact if comp_name == "exact" else hvd.Compression.quantize(bits=4)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                   named_parameters=model.named_parameters(),
+                                   compression=comp, op=hvd.Sum)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0) if read == "grad_scaler" else None
+    out = []
+    for step in range(3):
+        opt.zero_grad()
+        loss = _loss(model, rank, step)
+        (scaler.scale(loss) if scaler is not None else loss).backward()  # scale 1: same values
+        if scaler is not None:
+            scaler.unscale_(opt)        # reads opt.param_groups: finishes the exchange
+            scaler.step(opt)
+            scaler.update()
+        else:
+            if read == "param_groups":
+                _ = opt.param_groups
+            opt.step()
+        out.append(torch.cat([p.detach().view(-1).clone() for p in model.parameters()]))
+    return out
+
+
+@pytest.mark.parametrize("comp", ["exact", "4bit"])
+def test_reading_param_groups_before_step_reduces_once(comp):
+    """With op=Sum a second reduction would multiply by the world size (exact) or add
+    the quantization error again (4-bit): the parameters must equal the plain path's."""
+    plain = run_gloo(_param_groups_read, 2, "none", comp)
+    for read in ("param_groups", "grad_scaler"):
+        got = run_gloo(_param_groups_read, 2, read, comp)
+        for step in range(3):
+            assert torch.equal(got[0][step], plain[0][step]), (read, step)
+            assert torch.equal(got[1][step], got[0][step])

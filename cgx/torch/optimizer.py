@@ -620,14 +620,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         """Synchronize (unless inside ``skip_synchronize()``) and run the wrapped optimizer."""
-        if self._should_sync:
-            if self._synchronized and not self._auto_synced:
+        if self._should_sync and self._synchronized:
+            # Already reduced: by synchronize(), or by a read of param_groups
+            # (GradScaler.unscale_). Reducing again would reduce the results.
+            if not self._auto_synced:
                 warnings.warn("optimizer.step() was called after optimizer.synchronize() "
                               "without optimizer.skip_synchronize(); the gradients are not "
                               "reduced twice, but wrap step() in skip_synchronize() to say so",
                               stacklevel=2)
-            else:
-                self.synchronize()
+        elif self._should_sync:
+            self.synchronize()
         self._synchronized = self._auto_synced = False
         self._step_count += 1
         return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
