@@ -16,6 +16,11 @@ match the plain single-process reference:
   (``families=("exact",)``), planning every 2 steps from 1-step windows: auto's whole path
   (measurements, plans, residual bookkeeping) with nothing compressed; the DDP hook pattern
   too.
+* ``"planned-exact"``: ``Compression.planned`` restricted to exact options by a layer rule
+  that keeps every tensor exact (``rules=EXACT_ONLY``), tracing 2 steps, then planning,
+  and a drift check every step after: the planned exchange's whole path (ready times,
+  agreed profile, plan, checks, rebuilds when parameters are frozen or added) with
+  nothing compressed.
 
 A new variant is one more entry in ``VARIANTS`` and one more branch in ``_opt``.
 """
@@ -31,7 +36,8 @@ STEPS = 4
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
 
 
-VARIANTS = ("plain", "sfb", "auto-exact")
+VARIANTS = ("plain", "sfb", "auto-exact", "planned-exact")
+EXACT_ONLY = {"layers": [{"pattern": "*", "exclude": True}]}  # per-layer rules: all exact
 _variant = "plain"  # set by init(): what _opt's optimizers decide with
 
 
@@ -60,12 +66,16 @@ def _mlp(seed=0):
 def _compression(hvd):
     if _variant == "auto-exact":
         return hvd.Compression.auto(families=("exact",), window=1, adjust_every=2)
+    if _variant == "planned-exact":
+        return hvd.Compression.planned(calibrate_steps=2, replan_every=1)
     return hvd.Compression.exact
 
 
 def _opt(hvd, model, opt, **kw):
     if _variant == "sfb":
         kw["sufficient_factors"] = model
+    if _variant == "planned-exact":
+        kw["rules"] = EXACT_ONLY
     return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                     compression=_compression(hvd), **kw)
 

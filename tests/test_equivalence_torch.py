@@ -1,6 +1,7 @@
 """2 and 3 real ranks with an exact exchange train exactly like one process on all the data,
 for the training patterns users write (tests/patterns_torch.py), in every variant (also
-with sufficient factors, and with auto restricted to the exact candidate)."""
+with sufficient factors, with auto restricted to the exact candidate, and with the planned
+exchange restricted to exact options)."""
 
 import pytest
 
