@@ -171,7 +171,7 @@ def _overlap(rank, world):
     hvd.init()
     torch.manual_seed(0)
     # A slow backward below the linear layer: its factors can travel meanwhile.
-    convs = [torch.nn.Conv2d(64, 64, 3, padding=1) for _ in range(16)]
+    convs = [torch.nn.Conv2d(64, 64, 3, padding=1) for _ in range(32)]  # margin for a busy machine
     body = torch.nn.Sequential(*[m for c in convs for m in (c, torch.nn.Tanh())])
     model = torch.nn.Sequential(body, torch.nn.Flatten(), torch.nn.Linear(64 * 16 * 16, 512))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
