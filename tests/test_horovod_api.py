@@ -150,9 +150,9 @@ def test_grouped_reducescatter_gradient_and_sparse_allreduce():
         assert torch.equal(o["gathered_async"][1], o["gathered"][1])
         # Average of x*1 and x*2 = 1.5x; rank 0 keeps rows 0-4, rank 1 rows 5-9.
         assert torch.equal(o["rs"], 1.5 * torch.arange(10.0)[5 * r:5 * r + 5])
-        # Horovod's gradient: the allgathered upstream gradients (1 and 2), / 2 ranks,
-        # times this rank's factor (r + 1) from x * (rank + 1).
-        want = torch.cat([torch.full((5,), 1.0), torch.full((5,), 2.0)]) / 2 * (r + 1)
+        # Horovod's gradient for Average: the allgathered upstream gradients (1 and 2), not
+        # divided by the number of ranks, times this rank's factor (r + 1) from x * (rank + 1).
+        want = torch.cat([torch.full((5,), 1.0), torch.full((5,), 2.0)]) * (r + 1)
         assert torch.equal(o["rs_grad"], want)
         dense = o["sparse"].to_dense()
         assert torch.equal(dense, torch.tensor([0.5, 1.0, 0.0, 2.0, 0.0]))

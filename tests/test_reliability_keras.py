@@ -172,7 +172,7 @@ def test_keras_reliability_scenarios():
     assert outs[0]["around_weights"] == outs[1]["around_weights"]
     for r, o in enumerate(outs):
         assert o["rs"] == [1.5 * i for i in range(3 * r, 3 * r + 3)]
-        assert o["rs_grad"] == [0.5] * 3 + [1.0] * 3  # allgathered upstream (1, 2) / 2
+        assert o["rs_grad"] == [1.0] * 3 + [2.0] * 3  # allgathered upstream (1, 2), as Horovod
         assert o["size_op"] == 2 and o["obj"] == {"rank": 1} and o["bcast_"] == [1.0, 1.0]
     for o in outs:
         for mode in ("eager", "graph"):

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from cgx import process_sets, runtime, session
-from cgx.collectives import reduce_scatter
+from cgx.collectives import joining, reduce_scatter
 from cgx.comm.base import ReduceOp
-from cgx.comm.consistency import agree, signature, tensor_fields
+from cgx.comm.consistency import signature, tensor_fields
 from cgx.compression import CompressorKind, as_compressor
-from cgx.compression.quantization import FLOAT_DTYPES, QuantSpec
+from cgx.quant.codec import FLOAT_DTYPES, QuantSpec
+from cgx.errors import CollectiveMismatchError
 
 Average, Sum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX,
                                    ReduceOp.PRODUCT)
@@ -78,14 +79,40 @@ def op_name(name, kind: str, group=None) -> str:
     return f"{kind}.noname.{n}"
 
 
-def check(kind: str, name: str, group=None, **fields) -> None:
-    """Engine thread: every rank agrees on this collective before it runs (CGX_CHECK_CONSISTENCY).
+def check(kind: str, name: str, group=None, joined_call=None, **fields) -> None:
+    """Engine thread: the collective's status exchange (``cgx.collectives.joining``), before it
+    runs: every rank agrees on it (CGX_CHECK_CONSISTENCY), and ranks that called ``join()``
+    follow. An allreduce passes ``joined_call``, the description a joined rank needs to
+    take part with zeros (:func:`answer_joined`); other collectives are refused while a
+    rank has joined, as in Horovod.
 
     Raises:
-        CollectiveMismatchError: on every rank, naming the fields that differ.
+        CollectiveMismatchError: on every rank, naming the fields that differ; on the ranks
+            that have not joined, when a collective without ``joined_call`` meets a joined one.
     """
-    if runtime.config().check_consistency:
-        agree(_transport(group), signature(kind, name, **fields))
+    tr = _transport(group)
+    if tr.size == 1:
+        return
+    sig = signature(kind, name, **fields) if runtime.config().check_consistency else None
+    status = joining.exchange(tr, joining.OTHER if joined_call is None else joining.ALLREDUCE,
+                              sig)
+    if not status.joined:
+        return
+    if joined_call is None:
+        raise CollectiveMismatchError(
+            f"{kind} '{name}' cannot run while a rank has called join(): until every rank "
+            "has joined, the others may only allreduce (op Sum or Average, uncompressed or "
+            "quantized) and step a DistributedOptimizer, as in Horovod")
+    tr.broadcast_object(joined_call if tr.rank == status.root else None, status.root)
+
+
+def answer_joined(root: int, group=None) -> None:
+    """Engine thread, on a rank that called ``join()``, after a status exchange announced a
+    functional allreduce: take part in it with zeros of the shapes ``root`` describes."""
+    tr = _transport(group)
+    shapes, dtypes, op, pre, post, name, compression = tr.broadcast_object(None, root)
+    zeros = [torch.zeros(s, dtype=d, device=tr.device) for s, d in zip(shapes, dtypes)]
+    _reduce(zeros, op, pre, post, name, compression, group)
 
 
 def check_root(root_rank, size: int, group=None) -> int:
@@ -111,15 +138,34 @@ def reduce_tensors(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: 
     payloads, one plain allreduce), quantization (the fused SRA path; float64
     travels exact), or top-k/PowerSGD (their own reduction, per tensor).
     """
-    red = process_sets.reducer_of(group)
     comp = None if compression is None else as_compressor(compression)
-    check("allreduce", name, group, op=op, prescale_factor=pre, postscale_factor=post,
-          compression=comp, **tensor_fields(tensors))
+    # What a rank that called join() runs to take part: the same reduction of zeros. Only
+    # where zeros are neutral and the path keeps no per-rank state: Sum/Average, exact or
+    # quantized (a cast or a user's compressor may not even pickle).
+    joined_call = ([tuple(t.shape) for t in tensors], [t.dtype for t in tensors], op, pre, post,
+                   name, comp) if op in (ReduceOp.SUM, ReduceOp.AVERAGE) and (
+        comp is None or comp.kind is CompressorKind.NONE or _quantized(comp, op)) else None
+    check("allreduce", name, group, joined_call, op=op, prescale_factor=pre,
+          postscale_factor=post, compression=comp, **tensor_fields(tensors))
     outs = [_on_transport(t.detach(), group).clone().contiguous() for t in tensors]
+    outs = _reduce(outs, op, pre, post, name, comp, group)
+    return [o.to(t.device) if o.device != t.device else o for o, t in zip(outs, tensors)]
+
+
+def _quantized(comp, op) -> bool:
+    """Does this compressor take the fused quantized (SRA) path?"""
+    return comp.kind is CompressorKind.QUANTIZE and op in (ReduceOp.SUM, ReduceOp.AVERAGE) \
+        and hasattr(comp, "bits")
+
+
+def _reduce(outs: list, op: ReduceOp, pre: float, post: float, name: str, comp,
+            group=None) -> list:
+    """Engine thread: the reduction itself, of ``outs`` (contiguous copies on the transport's
+    device, reduced in place where the path allows); returns the results."""
+    red = process_sets.reducer_of(group)
     if comp is None or comp.kind is CompressorKind.NONE:
         red.allreduce(outs, None, op=op, prescale_factor=pre, postscale_factor=post, name=name)
-    elif comp.kind is CompressorKind.QUANTIZE and op in (ReduceOp.SUM, ReduceOp.AVERAGE) \
-            and hasattr(comp, "bits"):
+    elif _quantized(comp, op):
         spec = QuantSpec(comp.bits, comp.bucket_size, comp.rounding)
         specs = [spec if t.dtype in FLOAT_DTYPES and t.numel() > 0 else None for t in outs]
         red.allreduce(outs, specs, op=op, prescale_factor=pre, postscale_factor=post, name=name)
@@ -135,7 +181,7 @@ def reduce_tensors(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: 
         outs = [comp.allreduce(t.mul_(pre) if pre != 1 else t, red.transport, f"{name}.{i}", op)
                 for i, t in enumerate(outs)]
         outs = [o.mul_(post) if post != 1.0 else o for o in outs]
-    return [o.to(t.device) if o.device != t.device else o for o, t in zip(outs, tensors)]
+    return outs
 
 
 # -- allgather, broadcast, alltoall, reducescatter ---------------------------------
@@ -189,7 +235,7 @@ def broadcast_tensor(tensor: torch.Tensor, root_rank: int, out: torch.Tensor,
     root = check_root(root_rank, runtime.size(), group)
     check("broadcast", name, group, root_rank=root_rank, **tensor_fields([tensor]))
     buf = _on_transport(tensor.detach(), group).clone().contiguous()
-    tr.broadcast(buf, root)
+    tr.broadcast(_bytes(buf), root)  # as bytes: every dtype, bit-exact (Gloo lacks uint16...)
     out.copy_(buf.view_as(out))
     return out
 
@@ -273,7 +319,7 @@ def broadcast_tensors(tensors: list, root_rank: int, name: str = "broadcast",
         groups[(t.dtype, t.device)].append(t)
     for (_dtype, device), group in groups.items():
         flat = torch.cat([t.detach().reshape(-1).to(tr.device) for t in group])
-        tr.broadcast(flat, root)
+        tr.broadcast(_bytes(flat), root)  # as bytes, like broadcast_tensor
         for t, part in zip(group, flat.split([t.numel() for t in group])):
             with torch.no_grad():
                 t.copy_(part.view_as(t).to(device))

@@ -76,6 +76,7 @@ from cgx.config import Config, Rounding
 from cgx.tensorflow._bridge import XLAUnsupportedError
 from cgx.tensorflow.gradients import DistributedGradientTape
 from cgx.tensorflow.gradients import PartialDistributedGradientTape
+from cgx.tensorflow import compat as _compat
 from cgx.tensorflow.compat import (HorovodInternalError, SyncBatchNormalization, broadcast_,
                                    broadcast_global_variables, broadcast_object_fn,
                                    check_extension, elastic, gpu_available, grouped_allgather,
@@ -93,6 +94,9 @@ shutdown = _session.shutdown
 stats = _session.stats
 start_timeline = _session.start_timeline
 stop_timeline = _session.stop_timeline
+# horovod.tensorflow's names for its util helpers (Horovod's scripts call hvd._executing_eagerly()).
+_executing_eagerly, _make_subgraph, _cache = (_compat.executing_eagerly, _compat.make_subgraph,
+                                              _compat.cache)
 
 
 

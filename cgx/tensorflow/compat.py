@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from cgx import runtime, session
 from cgx import process_sets
-from cgx.collectives.functional import (Average, allgather_rows, group_size, op_name,
+from cgx.collectives.functional import (Average, Sum, allgather_rows, group_size, op_name,
                                         reducescatter_rows, resolve_op)
 from cgx.process_sets import global_process_set
 from cgx.tensorflow._bridge import run_collective, to_tf, to_torch
@@ -46,6 +46,33 @@ def process_set_included_op(process_set_id=0, name=None):
     return tf.constant(int(runtime.rank() in ranks), dtype=tf.int32, name=name)
 
 
+# horovod.tensorflow.util's helpers, which horovod.tensorflow exports with a leading
+# underscore and Horovod's own scripts reach for (``if hvd._executing_eagerly(): ...``);
+# cgx.tensorflow exports them under those names.
+
+def executing_eagerly() -> bool:
+    """True when TensorFlow runs eagerly (False while a ``tf.function`` is being traced)."""
+    return tf.executing_eagerly()
+
+
+def make_subgraph(f):
+    """``f`` as a ``tf.function`` (Horovod's helper for groups of eager collectives)."""
+    return tf.function(f)
+
+
+def cache(f):
+    """Memoize ``f`` by its arguments and by whether it runs eagerly (Horovod's helper)."""
+    cache: dict = {}
+
+    def wrapper(*args):
+        key = (args, executing_eagerly())
+        if key not in cache:
+            cache[key] = f(*args)
+        return cache[key]
+
+    return wrapper
+
+
 def gpu_available(ext_base_name=None, verbose=False) -> bool:
     """True when TensorFlow sees a GPU."""
     return bool(tf.config.list_physical_devices("GPU"))
@@ -70,7 +97,8 @@ def reducescatter(tensor, device_dense="", compression=None, op=Average, name=No
                   prescale_factor=1.0, postscale_factor=1.0):
     """Reduce ``tensor`` over all ranks and keep this rank's rows of dim 0 (Horovod's split:
     ``rows // size`` each, the first ``rows % size`` ranks one more). The gradient is
-    Horovod's: allgathered, divided by the number of ranks for Average."""
+    Horovod's: the output gradient times the number of ranks for Sum (as is for Average),
+    allgathered."""
     g = resolve_process_set(process_set)
     op = resolve_op(op, None)
     name = op_name(name, "reducescatter", g)
@@ -91,8 +119,7 @@ def reducescatter(tensor, device_dense="", compression=None, op=Average, name=No
                 return [to_tf(session.run(allgather_rows, to_torch(d), name + ".grad", g,
                                           label=name))]
             full = run_collective(gather, [dy], [dy.dtype], [a.shape], name + ".grad")[0]
-            scale = prescale_factor * postscale_factor / (
-                group_size(g) if op is Average else 1)
+            scale = prescale_factor * postscale_factor * (group_size(g) if op is Sum else 1)
             return full * tf.cast(scale, full.dtype) if scale != 1.0 else full
 
         return y, grad

@@ -6,9 +6,9 @@ copy in, one copy for the result), on the shared engine thread of
 ``cgx.session``, so TF and torch collectives of one process stay in one order.
 They work eagerly and inside ``tf.function`` (one ``tf.py_function`` op each;
 not under XLA, see ``_bridge``), and have gradients: ``allreduce``'s
-backward allreduces the gradient the same way, ``allgather``'s sums and
-keeps this rank's rows, ``broadcast``'s sums onto the root (zeros elsewhere),
-``alltoall``'s sends the gradient back.
+backward allreduces the gradient the same way, ``allgather``'s averages it
+and keeps this rank's rows, ``broadcast``'s averages it onto the root (zeros
+elsewhere), ``alltoall``'s sends the gradient back (Horovod's rules).
 
 Differences from Horovod, by design (as in ``cgx.torch``):
 

@@ -9,6 +9,7 @@ from cgx import session
 from cgx.collectives import functional
 from cgx.collectives.functional import broadcast_tensors
 from cgx.process_sets import global_process_set
+from cgx.torch.optimizer import DistributedOptimizer
 
 
 def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global_process_set):
@@ -90,14 +91,18 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     (zeros in a fresh process). For a bit-exact resume with error feedback,
     save ``optimizer.state_dict()`` on every rank and load each rank's own.
 
-    ``model`` (Horovod's argument, used there to create missing state) is not needed:
-    parameters without state are handled from the structure itself.
+    An optimizer with no state yet (just created) gets it first as Horovod gives it:
+    every trainable parameter's gradient set to zeros (sparse ones for ``SparseAdam``
+    and for ``model``'s sparse embeddings) and one step of the wrapped optimizer (so,
+    as in Horovod, weight decay acts once and Adam's step count starts at 1).
     """
     if runtime.size() == 1:
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    if not optimizer.state_dict()["state"]:
+        _create_state(optimizer, model)
     local = optimizer.state_dict()
     tensors: list = []
     structure = _split_tensors(_without_per_rank(local), tensors)
@@ -110,6 +115,25 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
         session.run(broadcast_tensors, tensors, root_rank, "broadcast_optimizer_state",
                     label="broadcast_optimizer_state")
     optimizer.load_state_dict(_with_per_rank(_join_tensors(structure, tensors), local))
+
+
+def _create_state(optimizer, model=None) -> None:
+    """Horovod's initialization of a fresh optimizer's state: zero gradients, one step of the
+    wrapped optimizer (never the DistributedOptimizer's own step: no collective)."""
+    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    if isinstance(inner, torch.optim.LBFGS):
+        return  # its step needs a closure (Horovod refuses LBFGS); the root's state travels
+    sparse = set() if model is None else {
+        id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.sparse
+        for p in m.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(inner, torch.optim.SparseAdam) or (
+                        isinstance(inner, torch.optim.SGD) and id(p) in sparse):
+                    p.grad = p.grad.to_sparse()
+    inner.step()
 
 
 # State under these keys belongs to one rank (error-feedback residuals: what *this*

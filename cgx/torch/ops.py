@@ -221,13 +221,35 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
                           label=name)
 
 
+class _Alltoall(torch.autograd.Function):
+    """Alltoall with Horovod's gradient: the reverse alltoall, with the received splits."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name, group):
+        out, received = session.run(alltoall_rows, tensor, splits, name, group, label=name)
+        ctx.received, ctx.name, ctx.group = received, name, group
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, _received):
+        back, _ = session.run(alltoall_rows, grad.contiguous(), ctx.received, ctx.name + ".grad",
+                              ctx.group, label=ctx.name)
+        return back, None, None, None
+
+
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """Send slices of ``tensor`` (dim 0, by ``splits`` or equally) to every rank.
+
+    Differentiable, as Horovod's: the gradient of the received rows goes back to their
+    senders (the reverse alltoall, with the received splits).
 
     Returns:
         The received rows; with ``splits``, also the int32 counts received per rank.
     """
-    return synchronize(alltoall_async(tensor, splits, name, process_set))
+    g = resolve_process_set(process_set)
+    out, received = _Alltoall.apply(tensor, splits, op_name(name, "alltoall", g), g)
+    return out if splits is None else (out, received)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
@@ -240,8 +262,8 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
 
 
 class _Reducescatter(torch.autograd.Function):
-    """Reduce-scatter with Horovod's gradient: the gradient is allgathered (and divided by
-    the number of ranks for Average), scaled like the forward."""
+    """Reduce-scatter with Horovod's gradient: the output gradient, multiplied by the number
+    of ranks for Sum (not divided for Average) and scaled like the forward, allgathered."""
 
     @staticmethod
     def forward(ctx, tensor, op, pre, post, name, compression, group):
@@ -253,7 +275,7 @@ class _Reducescatter(torch.autograd.Function):
     def backward(ctx, grad):
         op, pre, post, name, group = ctx.args
         full = session.run(allgather_rows, grad.contiguous(), name + ".grad", group, label=name)
-        scale = pre * post / (group_size(group) if op is Average else 1)
+        scale = pre * post * (group_size(group) if op is Sum else 1)
         return (full * scale if scale != 1.0 else full), None, None, None, None, None, None
 
 
@@ -262,10 +284,11 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     """Reduce ``tensor`` over all ranks and keep this rank's rows of dim 0.
 
     Rows are split like Horovod: ``rows // size`` each, the first ``rows % size``
-    ranks one more. The gradient is Horovod's: allgathered (divided by the
-    number of ranks for Average). A real reduce-scatter (half an allreduce's
-    traffic); with ``compression=Compression.quantize(...)`` the other ranks' rows
-    travel quantized (the first half of SRA).
+    ranks one more. The gradient is Horovod's: the output gradient times the
+    number of ranks for Sum (as is for Average), allgathered. A real
+    reduce-scatter (half an allreduce's traffic); with
+    ``compression=Compression.quantize(...)`` the other ranks' rows travel
+    quantized (the first half of SRA).
     """
     g = resolve_process_set(process_set)
     op = resolve_op(op, None)
@@ -347,10 +370,13 @@ def barrier(process_set=global_process_set) -> None:
 def join(device=-1) -> int:
     """Signal that this rank has no more data; returns the rank that joined last.
 
-    A rank that joins early keeps taking part in the other ranks' gradient
-    reductions (with zero gradients) until every rank has joined, as with
-    Horovod. This covers ``DistributedOptimizer`` steps; other collectives
-    issued by the still-running ranks meanwhile are not matched.
+    A rank that joins early keeps taking part, with zeros, in the other ranks'
+    ``DistributedOptimizer`` steps and allreduces (op Sum or Average,
+    uncompressed or quantized) until every rank has joined, as with Horovod
+    (an average still divides by every rank). Other collectives (allgather,
+    broadcast, ...) raise a ``CollectiveMismatchError`` (a ``RuntimeError``)
+    on the ranks still running meanwhile, and the job goes on. Covers the
+    global process set.
     """
     from cgx.torch import optimizer as _opt
     return _opt.join_world()

@@ -38,14 +38,16 @@ import torch
 
 from cgx import runtime
 from cgx.comm.base import ReduceOp
-from cgx.comm.consistency import Signature, describe, signature
+from cgx.comm.consistency import Signature, signature
 from cgx.compression import Compression, as_compressor
-from cgx.errors import CGXError, CollectiveMismatchError
+from cgx.errors import CGXError
 from cgx.adaptive.compensation import update_rule_of
 from cgx.grad_plan import (FIRST_BUCKET_BYTES, GradientPlan, GradMode,  # noqa: F401 - GradMode: API
                             ready_order_buckets)
 from cgx import session
-from cgx.collectives.functional import Average, Sum, group_size, resolve_process_set
+from cgx.collectives import joining
+from cgx.collectives.functional import (Average, Sum, answer_joined, group_size,
+                                        resolve_process_set)
 from cgx.process_sets import global_process_set, reducer_of
 
 STATE_FORMAT = 1
@@ -86,7 +88,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``nn.Embedding(sparse=True)``) stay sparse: every rank's indices and values
             are all-gathered, uncompressed, and ``p.grad`` becomes the (uncoalesced)
             sparse average, so ``torch.optim.SparseAdam`` works. True: they are made
-            dense and travel with the other gradients (compressed).
+            dense and travel with the other gradients (compressed), and ``p.grad`` is
+            handed back sparse, as Horovod does (``SparseAdam`` needs it so).
         process_set: reduce over the ranks of this process set only (every rank of the
             set wraps an optimizer with it; see ``cgx.process_sets``). ``join()`` covers
             optimizers of the global set.
@@ -163,7 +166,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _name_params(self, named_parameters) -> dict:
         params = [p for g in self.param_groups for p in g["params"]]
         if named_parameters is None:
-            return {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+            return self._default_names({})
         named = list(named_parameters)
         if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
             raise ValueError("named_parameters should be a sequence of (name, parameter) "
@@ -179,6 +182,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "optimizer are not in it; pass model.named_parameters() of the "
                              "model whose parameters the optimizer holds")
         return by_id
+
+    def _default_names(self, names: dict) -> dict:
+        """``names`` (id(param) -> name) with Horovod's name for each parameter it lacks:
+        ``allreduce.noname.<group>.<index in the group>``."""
+        out = dict(names)
+        for i, g in enumerate(self._groups()):
+            for j, p in enumerate(g["params"]):
+                out.setdefault(id(p), f"allreduce.noname.{i}.{j}")
+        return out
+
+    @property
+    def _parameter_names(self) -> dict:
+        """Horovod's ``optimizer._parameter_names``: parameter -> name, for every parameter
+        (names from ``named_parameters``, else Horovod's ``allreduce.noname.<group>.<index>``)."""
+        return {p: self._names[id(p)] for g in self._groups() for p in g["params"]
+                if id(p) in self._names}
 
     def _check_groups(self, groups):
         if groups is None:
@@ -205,9 +224,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         groups = self._groups()
         self._trainable = tuple(p.requires_grad for g in groups for p in g["params"])
         params = [p for g in groups for p in g["params"] if p.requires_grad]
-        for p in params:
-            if id(p) not in self._names:
-                self._names[id(p)] = f"allreduce.noname.{len(self._names)}"
+        self._names = self._default_names(self._names)
         self._params = params
         self._index = {id(p): i for i, p in enumerate(params)}
         # Parameters whose gradients came sparse (sparse_as_dense=False): they travel as
@@ -382,6 +399,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _reset_step_state(self) -> None:
         self._sparse_out: dict = {}  # sparse gradients reduced this step, by index
+        # sparse_as_dense: index -> sparse dims of a sparse gradient reduced densely this
+        # step; it is handed back sparse, the layout its optimizer (SparseAdam) expects.
+        self._densified: dict = {}
         self._counts = [0] * len(self._params)
         self._ready = [0] * len(self._buckets)
         self._next = 0
@@ -467,6 +487,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = g
             else:
                 if p.grad.is_sparse:
+                    self._densified[i] = p.grad.sparse_dim()
                     p.grad = p.grad.to_dense()
                 g = p.grad
             grads.append(g)
@@ -598,6 +619,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 h.wait(session.wait_timeout())
             for i, g in self._sparse_out.items():
                 self._params[i].grad = g
+            for i, dims in self._densified.items():
+                self._params[i].grad = self._params[i].grad.to_sparse(dims)
         finally:
             self._reset_step_state()
             if self._capture is not None:
@@ -624,8 +647,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # Already reduced: by synchronize(), or by a read of param_groups
             # (GradScaler.unscale_). Reducing again would reduce the results.
             if not self._auto_synced:
-                warnings.warn("optimizer.step() was called after optimizer.synchronize() "
-                              "without optimizer.skip_synchronize(); the gradients are not "
+                # Horovod's sentence, which warning filters match.
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). The gradients are not "
                               "reduced twice, but wrap step() in skip_synchronize() to say so",
                               stacklevel=2)
         elif self._should_sync:
@@ -723,49 +747,47 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._reset_step_state()
 
 
-_NEUTRAL = -(1 << 62)  # what a joined rank contributes to the layout digests
-
-
 def _status_exchange(opt_id: int, sig: "Signature | None" = None, group=None) -> int:
     """Per-step status collective: the largest optimizer id stepping now (0: everyone joined).
 
     It also checks, at no extra cost, that every stepping rank has the same bucket
-    layout: each adds ``[digest, -digest]`` to the same MAX allreduce (a joined
-    rank, with no step of its own, adds neutral values). On a difference every
-    rank raises the same :class:`CollectiveMismatchError`, naming what differs.
+    layout (the exchange carries the step's signature digest; a joined rank adds
+    neutral values). On a difference every rank raises the same
+    :class:`CollectiveMismatchError`, naming what differs. See ``cgx.collectives.joining``.
     """
     tr = reducer_of(group).transport
-    d = sig.digest() if sig is not None else None
-    t = torch.tensor([opt_id, _NEUTRAL if d is None else d, _NEUTRAL if d is None else -d],
-                     dtype=torch.int64, device=tr.device)
-    tr.allreduce(t, ReduceOp.MAX)
-    hi, lo = int(t[1]), -int(t[2])
-    if hi != _NEUTRAL and hi != lo and runtime.config().check_consistency:
-        sigs = tr.allgather_object(sig)
-        raise CollectiveMismatchError(describe(sigs), recoverable=False)
-    return int(t[0])
+    sig = sig if runtime.config().check_consistency else None
+    return joining.exchange(tr, opt_id, sig, recoverable=False).what
 
 
 def join_world() -> int:
-    """``hvd.join()``: shadow the other ranks' optimizer steps until every rank has joined.
+    """``hvd.join()``: take part in the other ranks' optimizer steps and functional allreduces
+    (with zeros) until every rank has joined.
 
     Returns:
-        The rank that joined last (the highest one if several joined in the same step).
+        The rank that joined last (the highest one if several joined at the same point).
     """
     if runtime.size() == 1:
         return 0
     shadowed = 0
     while True:
-        active = session.run(_status_exchange, 0, None, label="step-status")
-        if active == 0:
+        status = session.run(lambda: joining.exchange(reducer_of(None).transport,
+                                                      joining.JOINED), label="step-status")
+        if status.what == joining.JOINED:
             break
-        opt = _registry.get(active)
-        if opt is None:
-            raise CGXError(f"another rank is stepping DistributedOptimizer #{active}, which "
-                           "this rank does not have; create the same optimizers on every rank")
-        opt._shadow_step()
         shadowed += 1
-    # The last to join found everyone joined at once: they shadowed no step.
+        if status.what == joining.ALLREDUCE:
+            session.run(answer_joined, status.root, label="joined-allreduce")
+            continue
+        if status.what == joining.OTHER:
+            continue  # refused on the other ranks (see functional.check)
+        opt = _registry.get(status.what)
+        if opt is None:
+            raise CGXError(f"another rank is stepping DistributedOptimizer #{status.what}, "
+                           "which this rank does not have; create the same optimizers on "
+                           "every rank")
+        opt._shadow_step()
+    # The last to join found everyone joined at once: it took part in nothing.
     return session.run(_max_rank, shadowed == 0, label="join-last")
 
 
