@@ -154,3 +154,17 @@ def test_the_checker_sees_a_cycle_and_an_upward_edge():
     assert _cycles(graph) == [["a", "b"]]
     assert _layer("cgx.comm.base") < _layer("cgx.torch.optimizer")
     assert _layer("cgx.quant.wire") < _layer("cgx.kernels.quantize") < _layer("cgx.quant.codec")
+
+
+def test_every_package_ships():
+    """A package missing from setup.cfg works in the editable install and is
+    absent from a wheel: every folder with an __init__.py must be listed."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "cgx").rglob("__init__.py")}
+    found |= {"cgx.kernels"}
+    assert found == listed, f"setup.cfg [options] packages differs: add {sorted(found - listed)}, " \
+                            f"remove {sorted(listed - found)}"
