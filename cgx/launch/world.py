@@ -195,64 +195,68 @@ def _finish(launcher: Launcher, env: Mapping[str, str], *, rank: int, size: int,
                      cross_derived=derived and cross_size > 1, notes=tuple(notes), **extra)
 
 
-# -- one function per launcher -------------------------------------------------
+# -- one reader per launcher ---------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Names:
+    """The variables one launcher sets, and how its messages name it."""
+
+    who: str
+    rank: str
+    size: str
+    local_rank: str
+    local_size: str
+    cross: tuple[str, str] = ("", "")  # node index and node count, where given
+    hostname: str = ""
+
+
+def _read(launcher: Launcher, names: _Names, env: Mapping[str, str], **extra) -> WorldInfo:
+    """The common reading: rank and size (size required), local and cross pairs."""
+    rank = _int(env, names.rank, names.who)
+    size = _need(env, names.size, names.who, f"{names.rank}={rank} is")
+    cross_rank, cross_size = (_int(env, v, names.who) if v else None for v in names.cross)
+    return _finish(launcher, env, rank=rank, size=size,
+                   names=(names.rank, names.size, names.local_rank, names.local_size),
+                   local_rank=_int(env, names.local_rank, names.who),
+                   local_size=_int(env, names.local_size, names.who),
+                   cross_rank=cross_rank, cross_size=cross_size, cross_names=names.cross,
+                   hostname=_get(env, names.hostname) if names.hostname else None, **extra)
+
+
+_HOROVOD = _Names("horovodrun --gloo", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
+                  "HOROVOD_LOCAL_SIZE", ("HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE"),
+                  "HOROVOD_HOSTNAME")
+_TORCHRUN = _Names("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                   ("GROUP_RANK", "GROUP_WORLD_SIZE"))
+_OPEN_MPI = _Names("Open MPI's mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                   "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+_MPICH = _Names("MPICH's mpiexec (Hydra)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID",
+                "MPI_LOCALNRANKS")
+
 
 def _horovod_gloo(env):
-    who = "horovodrun --gloo"
-    rank = _int(env, "HOROVOD_RANK", who)
-    size = _need(env, "HOROVOD_SIZE", who, f"HOROVOD_RANK={rank} is")
     addr = _get(env, "HOROVOD_GLOO_RENDEZVOUS_ADDR")
-    port = _port(env, "HOROVOD_GLOO_RENDEZVOUS_PORT", who)
-    if size > 1 and (addr is None or port is None):
+    port = _port(env, "HOROVOD_GLOO_RENDEZVOUS_PORT", _HOROVOD.who)
+    size = _int(env, "HOROVOD_SIZE", _HOROVOD.who)
+    if size is not None and size > 1 and (addr is None or port is None):
         raise ConfigError("HOROVOD_GLOO_RENDEZVOUS_ADDR/HOROVOD_GLOO_RENDEZVOUS_PORT are not set "
                           f"although HOROVOD_SIZE={size}; horovodrun --gloo sets them (launch "
                           "with horovodrun, or unset the HOROVOD_* variables)")
-    return _finish(Launcher.HOROVOD_GLOO, env, rank=rank, size=size,
-                   names=("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
-                          "HOROVOD_LOCAL_SIZE"),
-                   local_rank=_int(env, "HOROVOD_LOCAL_RANK", who),
-                   local_size=_int(env, "HOROVOD_LOCAL_SIZE", who),
-                   cross_rank=_int(env, "HOROVOD_CROSS_RANK", who),
-                   cross_size=_int(env, "HOROVOD_CROSS_SIZE", who),
-                   cross_names=("HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE"),
-                   hostname=_get(env, "HOROVOD_HOSTNAME"),
-                   rendezvous_addr=addr, rendezvous_port=port)
+    return _read(Launcher.HOROVOD_GLOO, _HOROVOD, env, rendezvous_addr=addr,
+                 rendezvous_port=port)
 
 
 def _torchrun(env):
-    who = "torchrun"
-    rank = _int(env, "RANK", who)
-    size = _need(env, "WORLD_SIZE", who, f"RANK={rank} is")
-    return _finish(Launcher.TORCHRUN, env, rank=rank, size=size,
-                   names=("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-                   local_rank=_int(env, "LOCAL_RANK", who),
-                   local_size=_int(env, "LOCAL_WORLD_SIZE", who),
-                   cross_rank=_int(env, "GROUP_RANK", who),
-                   cross_size=_int(env, "GROUP_WORLD_SIZE", who),
-                   cross_names=("GROUP_RANK", "GROUP_WORLD_SIZE"),
-                   master_addr=_get(env, "MASTER_ADDR"),
-                   master_port=_port(env, "MASTER_PORT", who))
+    return _read(Launcher.TORCHRUN, _TORCHRUN, env, master_addr=_get(env, "MASTER_ADDR"),
+                 master_port=_port(env, "MASTER_PORT", _TORCHRUN.who))
 
 
 def _open_mpi(env):
-    who = "Open MPI's mpirun"
-    rank = _int(env, "OMPI_COMM_WORLD_RANK", who)
-    size = _need(env, "OMPI_COMM_WORLD_SIZE", who, f"OMPI_COMM_WORLD_RANK={rank} is")
-    return _finish(Launcher.OPEN_MPI, env, rank=rank, size=size,
-                   names=("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                          "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-                   local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", who),
-                   local_size=_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", who))
+    return _read(Launcher.OPEN_MPI, _OPEN_MPI, env)
 
 
 def _mpich(env):
-    who = "MPICH's mpiexec (Hydra)"
-    rank = _int(env, "PMI_RANK", who)
-    size = _need(env, "PMI_SIZE", who, f"PMI_RANK={rank} is")
-    return _finish(Launcher.MPICH, env, rank=rank, size=size,
-                   names=("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-                   local_rank=_int(env, "MPI_LOCALRANKID", who),
-                   local_size=_int(env, "MPI_LOCALNRANKS", who))
+    return _read(Launcher.MPICH, _MPICH, env)
 
 
 def parse_slurm_tasks_per_node(value: str) -> list[int]:
