@@ -19,6 +19,7 @@ import torch
 
 from distutil import TESTS_DIR, run_ranks
 from spawn import run_gloo
+from test_sparse_gradients import embedding_reference
 
 pytestmark = pytest.mark.multiproc
 
@@ -141,27 +142,13 @@ def test_parameter_names_and_synchronize_warning():
         assert names["warnings_True"] == [True] == names["warnings_False"]
 
 
-def _sparse_adam_reference(world: int) -> torch.Tensor:
-    """One process: SparseAdam on the average of the ranks' embedding gradients."""
-    torch.manual_seed(0)
-    emb = torch.nn.Embedding(12, 3, sparse=True)
-    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
-    for step in range(3):
-        opt.zero_grad()
-        loss = sum((emb(torch.tensor([(r * 5 + step * 3 + k) % 12 for k in range(4)]))
-                    * torch.arange(1.0, 4.0)).sum() for r in range(world)) / world
-        loss.backward()
-        opt.step()
-    return emb.weight.detach()
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_sparse_as_dense_hands_sparse_adam_a_sparse_gradient(world):
     for rep in _cgx("torch", world):
         got = rep["sparse_adam_dense"]
         assert got["grad_is_sparse"] is True
-        torch.testing.assert_close(torch.tensor(got["weight"]), _sparse_adam_reference(world),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(got["weight"]),
+                                   embedding_reference(world, sgd=False), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -13,10 +13,13 @@ from distutil import TESTS_DIR, run_ranks
 SCRIPT = str(TESTS_DIR / "side_by_side.py")
 
 
-def _reference(world: int, dense: bool) -> torch.Tensor:
+def embedding_reference(world: int, sgd: bool) -> torch.Tensor:
+    """One process training the ranks' embedding on the average of their gradients, with SGD
+    (what a densified gradient gives) or SparseAdam; the programs in side_by_side.py and
+    fidelity_cases.py train the same embedding on the same rows."""
     torch.manual_seed(0)
     emb = torch.nn.Embedding(12, 3, sparse=True)
-    opt = torch.optim.SGD(emb.parameters(), lr=0.5) if dense else \
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5) if sgd else \
         torch.optim.SparseAdam(emb.parameters(), lr=0.1)
     for step in range(3):
         opt.zero_grad()
@@ -34,9 +37,9 @@ def test_sparse_and_densified_embeddings_train_like_one_process(nprocs):
     for o in outs:
         # sparse_as_dense reduces densely and hands the gradient back sparse, as Horovod.
         assert o["grad_is_sparse"] is True and o["dense_grad_is_sparse"] is True
-        torch.testing.assert_close(torch.tensor(o["sparse"]), _reference(nprocs, False),
+        torch.testing.assert_close(torch.tensor(o["sparse"]), embedding_reference(nprocs, False),
                                    rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(torch.tensor(o["dense"]), _reference(nprocs, True),
+        torch.testing.assert_close(torch.tensor(o["dense"]), embedding_reference(nprocs, True),
                                    rtol=1e-5, atol=1e-6)
 
 

@@ -61,6 +61,11 @@ def _average_grads(build, batches, loss_fn=None, weights=None):
     return [t / len(batches) for t in total]
 
 
+def _summed(grad_lists):
+    """Element-wise sum of several lists of gradients."""
+    return [sum(parts) for parts in zip(*grad_lists)]
+
+
 def _applied(before, after, lr):
     return [(b - a) / lr for b, a in zip(before, after)]
 
@@ -111,11 +116,10 @@ def _world(rank, world):
         out[key] = _applied(before, [v.numpy() for v in model.trainable_variables], lr)
         out[key + "_used"] = opt.sufficient_factors_used()
         out[key + "_frozen_kernel"] = model.get_layer("frozen").kernel.numpy()
-    expected = None
-    for p in range(2):  # the sum of the two passes' averaged gradients
-        g = _average_grads(_shared, [_data(r, 3 + r, step=p + 1) for r in range(world)])
-        expected = g if expected is None else [a + b for a, b in zip(expected, g)]
-    out["bpps_expected"] = expected
+    # the sum of the two passes' averaged gradients
+    out["bpps_expected"] = _summed([_average_grads(_shared, [_data(r, 3 + r, step=p + 1)
+                                                            for r in range(world)])
+                                    for p in range(2)])
     out["frozen_kernel"] = _shared().get_layer("frozen").kernel.numpy()
     return out
 
@@ -224,13 +228,14 @@ def _shared_kernels(rank, world):
 
         run = step if eager else tf.function(step)
         before = [v.numpy() for v in model.trainable_variables]
-        expected = None
+        grads = []
         for p in range(passes):
             x, y = _data(rank, 4, step=3 + p)
             run(tf.constant(x), tf.constant(y))
-            g = _average_grads(_sequential, [_data(r, 4, step=3 + p) for r in range(world)],
-                               loss_fn=_extra_loss)
-            expected = g if expected is None else [a + b for a, b in zip(expected, g)]
+            grads.append(_average_grads(_sequential, [_data(r, 4, step=3 + p)
+                                                      for r in range(world)],
+                                        loss_fn=_extra_loss))
+        expected = _summed(grads)
         after = [v.numpy() for v in model.trainable_variables]
         out[key] = _applied(before, after, lr)
         out[key + "_expected"] = [g * (world if op is hvd.Sum else 1) for g in expected]
