@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 from cgx import runtime
+from cgx.comm.consistency import agree, signature
+from cgx.errors import NotInitializedError
 
 _lock = threading.Lock()
 
@@ -117,12 +119,13 @@ class _Entry:
     ranks: list
     transport: object = None   # this rank's sub-transport (of the other ranks if not a member)
     member: bool = True
-    reducer: object = None     # a Reducer over it (created on first use)
+    reducer: object = None     # a Reducer over it (built by the session on first use)
 
 
 _entries: dict = {}
 _next_id = 1
 _world = None  # the world transport the registered sets were split from
+_session_reducer_of = None  # cgx.session.reducer_of, once the session is imported
 
 
 def _current() -> dict:
@@ -170,81 +173,68 @@ def _ranks_of(ps: ProcessSet) -> list:
     return ps.ranks
 
 
-def register(ps: Union[ProcessSet, Iterable[int]], *, dynamic: bool = True) -> ProcessSet:
-    """Register a process set on every rank (Horovod's ``add_process_set``); returns it.
-
-    Every rank calls this with the same ranks, in the same order of registrations.
+def checked(ps: Union[ProcessSet, Iterable[int]]) -> ProcessSet:
+    """``ps`` (a ProcessSet, or its ranks) ready to register: its ranks known and valid
+    (caller's thread; see :func:`cgx.session.add_process_set`).
 
     Raises:
-        ValueError: ranks out of range or repeated, or a set with these ranks exists.
-        CollectiveMismatchError: ranks passed different sets (on every rank).
+        ValueError: ranks out of range or repeated.
+        NotImplementedError: a set defined by an MPI communicator, added after ``init()``.
     """
-    from cgx import session
-    from cgx.comm.consistency import agree, signature
-
     if not isinstance(ps, ProcessSet):
         ps = ProcessSet(ps)
-    if dynamic and ps.ranks is None and ps.mpi_comm is not None:
+    if ps.ranks is None and ps.mpi_comm is not None:
         raise NotImplementedError("Adding a process set defined by an MPI communicator after "
                                   "init() is not implemented; build it from a list of ranks")
     ranks = _ranks_of(ps)
     size = runtime.size()
     if not ranks or len(set(ranks)) != len(ranks) or ranks[0] < 0 or ranks[-1] >= size:
         raise ValueError(f"a process set needs distinct ranks in [0, {size}); got {ranks}")
-
-    def run():
-        global _next_id
-        tr = session.reducer().transport
-        if runtime.config().check_consistency and size > 1:
-            agree(tr, signature("add_process_set", "add_process_set", ranks=tuple(ranks)))
-        with _lock:
-            entries = _current()
-            if ranks == list(range(size)) or any(e.ranks == ranks for e in entries.values()):
-                return None
-            others = [r for r in range(size) if r not in ranks]
-            sub = tr.split([ranks, others] if others else [ranks])
-            # A non-member keeps its (unused) transport of the other ranks until the set is
-            # removed: closing a torch.distributed group early desynchronizes the group
-            # names of later splits across ranks.
-            pid = _next_id
-            _next_id += 1
-            entries[pid] = _Entry(list(ranks), sub, member=runtime.rank() in ranks)
-            return pid
-
-    pid = session.run(run, label="add_process_set")
-    if pid is None:
-        raise ValueError(f"Attempted to add a duplicate process set: {ps}")
-    ps.process_set_id = pid
     return ps
 
 
-def remove(ps: ProcessSet) -> bool:
-    """Unregister ``ps`` on every rank (Horovod's ``remove_process_set``).
+def add(ranks: list, world) -> Optional[int]:
+    """Engine thread, every rank: agree on ``ranks`` (``CollectiveMismatchError`` on every
+    rank if they differ), split ``world`` (the world's transport) and record the set.
 
-    Returns False for the global set and for a set that is not registered.
+    Returns:
+        The new set's id; None if the world or a registered set has these ranks.
     """
-    from cgx import session
+    global _next_id
+    size = runtime.size()
+    if runtime.config().check_consistency and size > 1:
+        agree(world, signature("add_process_set", "add_process_set", ranks=tuple(ranks)))
+    with _lock:
+        entries = _current()
+        if ranks == list(range(size)) or any(e.ranks == ranks for e in entries.values()):
+            return None
+        others = [r for r in range(size) if r not in ranks]
+        sub = world.split([ranks, others] if others else [ranks])
+        # A non-member keeps its (unused) transport of the other ranks until the set is
+        # removed: closing a torch.distributed group early desynchronizes the group
+        # names of later splits across ranks.
+        pid = _next_id
+        _next_id += 1
+        entries[pid] = _Entry(list(ranks), sub, member=runtime.rank() in ranks)
+        return pid
 
-    pid = ps.process_set_id
-    if pid is None or pid == 0:
+
+def discard(process_set_id: int) -> bool:
+    """Engine thread: forget the set with this id and close its transport and reducer;
+    False if none is registered."""
+    with _lock:
+        entry = _current().pop(process_set_id, None)
+    if entry is None:
         return False
-    ps._invalidate()
-
-    def run():
-        with _lock:
-            entry = _current().pop(pid, None)
-        if entry is None:
-            return False
-        _close(entry)
-        return True
-
-    return session.run(run, label="remove_process_set")
+    _close(entry)
+    return True
 
 
-def init_sets(process_sets) -> None:
-    """``hvd.init(process_sets=...)``: register each set in order; a set equal to the
-    world becomes the global set; duplicates in the list are invalidated (Horovod's rule).
-    ``"dynamic"`` (Horovod's switch for ``add_process_set``) needs nothing in cgx."""
+def init_sets(process_sets, register: Callable[[ProcessSet], object]) -> None:
+    """``hvd.init(process_sets=...)``: ``register`` each set in order
+    (:func:`cgx.session.add_process_set`); a set equal to the world becomes the global
+    set; duplicates in the list are invalidated (Horovod's rule). ``"dynamic"``
+    (Horovod's switch for ``add_process_set``) needs nothing in cgx."""
     if process_sets is None or isinstance(process_sets, str):
         if isinstance(process_sets, str) and process_sets != "dynamic":
             raise ValueError(f"process_sets must be a list of ProcessSet or 'dynamic', "
@@ -263,7 +253,7 @@ def init_sets(process_sets) -> None:
         if known is not None:
             ps._invalidate()
             continue
-        register(ps, dynamic=False)
+        register(ps)
 
 
 def ranks_of_id(process_set_id: int) -> list:
@@ -300,16 +290,20 @@ def resolve(process_set) -> Optional[_Entry]:
 
 
 def reducer_of(entry: Optional[_Entry]):
-    """The Reducer of a resolved set (the world's for None); engine thread."""
-    from cgx import session
-    from cgx.collectives import Reducer
+    """The Reducer of a resolved set (the world's for None); engine thread.
 
-    if entry is None:
-        return session.reducer()
-    if entry.reducer is None:
-        world = session.reducer()
-        entry.reducer = Reducer(entry.transport, world.config, timeline=world.timeline)
-    return entry.reducer
+    Deprecated here: use :func:`cgx.session.reducer_of`, which this calls (the session,
+    a layer above this registry, hands it over with :func:`serve_reducers` on import).
+    """
+    if _session_reducer_of is None:
+        raise NotInitializedError("no session: import cgx.session and call init() first")
+    return _session_reducer_of(entry)
+
+
+def serve_reducers(reducer_of_: Callable[[Optional[_Entry]], object]) -> None:
+    """Called by :mod:`cgx.session` on import: where :func:`reducer_of` finds reducers."""
+    global _session_reducer_of
+    _session_reducer_of = reducer_of_
 
 
 def global_rank_to_set_rank(entry: Optional[_Entry], root_rank: int) -> int:

@@ -44,7 +44,7 @@ def init(config=None, *, transport=None, device=None, comm=None, process_sets=No
         # (atexit is last-in first-out): the engine stops before the transport.
         atexit.register(close)
         _atexit_registered = True
-    process_sets_.init_sets(process_sets)
+    process_sets_.init_sets(process_sets, add_process_set)
 
 
 def _check_comm(comm) -> None:
@@ -65,15 +65,46 @@ def _check_comm(comm) -> None:
 def add_process_set(process_set):
     """Register a process set on every rank; returns it (Horovod's ``hvd.add_process_set``).
 
-    Every rank calls it with the same ranks; unlike Horovod, no
-    ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` is needed. See :mod:`cgx.process_sets`.
+    Every rank calls it with the same ranks, in the same order of registrations; unlike
+    Horovod, no ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` is needed. See :mod:`cgx.process_sets`.
+
+    Raises:
+        ValueError: ranks out of range or repeated, or a set with these ranks exists.
+        CollectiveMismatchError: ranks passed different sets (on every rank).
     """
-    return process_sets_.register(process_set)
+    ps = process_sets_.checked(process_set)
+    pid = run(lambda: process_sets_.add(ps.ranks, reducer().transport), label="add_process_set")
+    if pid is None:
+        raise ValueError(f"Attempted to add a duplicate process set: {ps}")
+    ps.process_set_id = pid
+    return ps
 
 
 def remove_process_set(process_set) -> bool:
-    """Unregister a process set on every rank; False for the global or an unknown set."""
-    return process_sets_.remove(process_set)
+    """Unregister a process set on every rank (Horovod's ``hvd.remove_process_set``).
+
+    Returns False for the global set and for a set that is not registered.
+    """
+    pid = process_set.process_set_id
+    if pid is None or pid == 0:
+        return False
+    process_set.process_set_id = None
+    return run(lambda: process_sets_.discard(pid), label="remove_process_set")
+
+
+def reducer_of(group) -> Reducer:
+    """The Reducer of a resolved process set (:func:`cgx.process_sets.resolve`): the
+    world's for None; a set's own is built on first use, over its sub-transport, with the
+    world's configuration and timeline. Engine thread."""
+    world = reducer()
+    if group is None:
+        return world
+    if group.reducer is None:
+        group.reducer = Reducer(group.transport, world.config, timeline=world.timeline)
+    return group.reducer
+
+
+process_sets_.serve_reducers(reducer_of)
 
 
 def shutdown() -> None:
