@@ -1,10 +1,11 @@
-"""The collective operations behind both adapters' Horovod-style APIs, on torch tensors.
+"""Horovod's functional collectives behind both adapters' APIs, on torch tensors.
 
 ``cgx.torch`` and ``cgx.tensorflow`` expose Horovod's functions
 (``allreduce``, ``allgather``, ``broadcast``, ``alltoall``, ...); the work
 itself is written once here, on torch tensors, and runs on the shared engine
-thread (``cgx.session``): the adapters only convert tensors, add autograd,
-and choose between synchronous and asynchronous calls.
+thread and a process set's reducer (``cgx.session``, a layer below): the adapters
+only convert tensors, add autograd, and choose between synchronous and
+asynchronous calls.
 
 Also here: Horovod's reduction-op names and argument rules. Every function takes
 ``group``: None for the world, or a process set resolved by
@@ -54,7 +55,7 @@ def group_rank(group) -> int:
 
 
 def _transport(group):
-    return process_sets.reducer_of(group).transport
+    return session.reducer_of(group).transport
 
 
 def resolve_op(op, average) -> ReduceOp:
@@ -162,7 +163,7 @@ def _reduce(outs: list, op: ReduceOp, pre: float, post: float, name: str, comp,
             group=None) -> list:
     """Engine thread: the reduction itself, of ``outs`` (contiguous copies on the transport's
     device, reduced in place where the path allows); returns the results."""
-    red = process_sets.reducer_of(group)
+    red = session.reducer_of(group)
     if comp is None or comp.kind is CompressorKind.NONE:
         red.allreduce(outs, None, op=op, prescale_factor=pre, postscale_factor=post, name=name)
     elif _quantized(comp, op):
@@ -293,7 +294,7 @@ def reducescatter_rows(tensor, op, pre, post, name, compression, group=None):
         counts = reduce_scatter.split_rows(full.shape[0], group_size(group))
         r = group_rank(group)
         return full[sum(counts[:r]): sum(counts[:r + 1])].clone()
-    red = process_sets.reducer_of(group)
+    red = session.reducer_of(group)
     check("reducescatter", name, group, op=op, prescale_factor=pre, postscale_factor=post,
           compression=comp, **tensor_fields([tensor]))
     spec = QuantSpec(comp.bits, comp.bucket_size, comp.rounding) \

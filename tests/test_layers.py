@@ -30,7 +30,8 @@ LAYERS = (
     ("deciders", ("cgx.adaptive", "cgx.planner")),
     ("exchange", ("cgx.exchange", "cgx.grad_plan", "cgx.ops")),
     ("adapters", ("cgx.torch", "cgx.tensorflow", "cgx")),
-    ("deprecated paths", ("cgx.run", "cgx.launcher", "cgx.rendezvous")),
+    ("deprecated paths", ("cgx.run", "cgx.launcher", "cgx.rendezvous",
+                          "cgx.collectives.functional")),
     ("benchmarks", ("benchmarks",)),
 )
 
@@ -41,13 +42,11 @@ KNOWN_CYCLES = (
     # as_compressor() resolves "auto" to AutoCompression, a Compressor subclass that
     # itself builds top-k: auto and planned are to become policies beside compressors.
     ("cgx.compression.auto", "cgx.compression.base", "cgx.compression.topk"),
-    # register/remove run on the session's engine: to move into the session.
-    ("cgx.process_sets", "cgx.session"),
 )
 KNOWN_UPWARD = {
-    # Horovod's functional collectives run on the session: to move to cgx/ops.py.
-    "cgx.collectives.functional": {"cgx.process_sets", "cgx.runtime", "cgx.session"},
-    "cgx.process_sets": {"cgx.session"},
+    # Still on the deprecated path of Horovod's functional collectives: to import cgx.ops.
+    "cgx.tensorflow.gradients": {"cgx.collectives.functional"},
+    "cgx.torch.optimizer": {"cgx.collectives.functional"},
 }
 
 

@@ -11,8 +11,8 @@ import tensorflow as tf
 
 from cgx import runtime, session
 from cgx import process_sets
-from cgx.collectives.functional import (Average, Sum, allgather_rows, group_size, op_name,
-                                        reducescatter_rows, resolve_op)
+from cgx.ops import (Average, Sum, allgather_rows, group_size, op_name, reducescatter_rows,
+                     resolve_op)
 from cgx.process_sets import global_process_set
 from cgx.tensorflow._bridge import run_collective, to_tf, to_torch
 from cgx.tensorflow.ops import resolve_process_set

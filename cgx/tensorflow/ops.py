@@ -29,18 +29,19 @@ from cgx import session
 from cgx.compression import Compression, Compressor, as_compressor
 from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf, to_torch
 # The torch-level bodies of the collectives, written once in the core for both adapters.
-from cgx.collectives.functional import (  # noqa: F401 - Horovod's op names, re-exported
+from cgx.ops import (  # noqa: F401 - Horovod's op names, re-exported
     Adasum, Average, Max, Min, Product, Sum, allgather_rows, alltoall_rows, broadcast_tensor,
     broadcast_tensors, group_rank, group_size, op_name, reduce_tensors, resolve_op)
-from cgx.process_sets import ProcessSet, global_process_set, reducer_of  # noqa: F401
-from cgx.collectives import functional as _functional
+from cgx.process_sets import ProcessSet, global_process_set  # noqa: F401
+from cgx.session import reducer_of
+from cgx import ops as _ops
 
 
 def resolve_process_set(process_set):
     """The core's process-set group, with Horovod's TensorFlow error type: a set this rank
     may not use raises ``tf.errors.InvalidArgumentError``."""
     try:
-        return _functional.resolve_process_set(process_set)
+        return _ops.resolve_process_set(process_set)
     except ValueError as e:
         raise tf.errors.InvalidArgumentError(None, None, str(e)) from None
 
@@ -281,7 +282,7 @@ def barrier(process_set=global_process_set) -> None:
 
 
 def _check_root(root_rank, group=None) -> None:
-    _functional.check_root(root_rank, runtime.size(), group)
+    _ops.check_root(root_rank, runtime.size(), group)
 
 
 # -- variables ----------------------------------------------------------------------
@@ -325,10 +326,10 @@ def broadcast_object(obj=None, root_rank=0, session=None, name=None,
                      process_set=global_process_set):
     """``root_rank``'s ``obj`` (pickled) on every rank (eager only)."""
     g = resolve_process_set(process_set)
-    return _functional.broadcast_object(obj, root_rank, name, g)
+    return _ops.broadcast_object(obj, root_rank, name, g)
 
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
     """Every rank's ``obj`` (pickled), as a list in rank order (eager only)."""
     g = resolve_process_set(process_set)
-    return _functional.allgather_object(obj, name, g)
+    return _ops.allgather_object(obj, name, g)

@@ -25,7 +25,7 @@ from cgx.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo
 from cgx.compression import Compression
 from cgx.config import Config, Rounding
 from cgx import session as _session
-from cgx.collectives.functional import Adasum, Average, Max, Min, Product, Sum
+from cgx.ops import Adasum, Average, Max, Min, Product, Sum
 from cgx.process_sets import ProcessSet, global_process_set
 from cgx.torch.ddp import CGXState, cgx_hook
 from cgx.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,

@@ -6,8 +6,8 @@ import torch
 
 from cgx import runtime
 from cgx import session
-from cgx.collectives import functional
-from cgx.collectives.functional import broadcast_tensors
+from cgx import ops
+from cgx.ops import broadcast_tensors
 from cgx.process_sets import global_process_set
 from cgx.torch.optimizer import DistributedOptimizer
 
@@ -19,14 +19,14 @@ def broadcast_object(obj=None, root_rank: int = 0, name=None, process_set=global
 
         epoch = hvd.broadcast_object(epoch, root_rank=0)
     """
-    g = functional.resolve_process_set(process_set)
-    return functional.broadcast_object(obj, root_rank, name, g)
+    g = ops.resolve_process_set(process_set)
+    return ops.broadcast_object(obj, root_rank, name, g)
 
 
 def allgather_object(obj, name=None):
     """Every rank's ``obj`` (pickled), as a list in rank order (Horovod's signature:
     no process set)."""
-    return functional.allgather_object(obj, name)
+    return ops.allgather_object(obj, name)
 
 
 def broadcast_parameters(params, root_rank: int) -> None:
@@ -106,7 +106,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     local = optimizer.state_dict()
     tensors: list = []
     structure = _split_tensors(_without_per_rank(local), tensors)
-    structure = functional.broadcast_object(
+    structure = ops.broadcast_object(
         structure if runtime.rank() == root_rank else None, root_rank)
     if runtime.rank() != root_rank:
         tensors = [torch.empty(shape, dtype=getattr(torch, dtype), device=device)

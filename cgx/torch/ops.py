@@ -19,10 +19,9 @@ import torch
 
 from cgx import runtime, session
 from cgx.comm.base import ReduceOp
-from cgx.collectives.functional import (Average, Sum, allgather_rows, alltoall_rows,
-                                        broadcast_tensor, check_root, group_rank, group_size,
-                                        op_name, reduce_tensors, reducescatter_rows, resolve_op,
-                                        resolve_process_set, sparse_reduce)
+from cgx.ops import (Average, Sum, allgather_rows, alltoall_rows, broadcast_tensor, check_root,
+                     group_rank, group_size, op_name, reduce_tensors, reducescatter_rows,
+                     resolve_op, resolve_process_set, sparse_reduce)
 from cgx.process_sets import global_process_set
 from cgx.compression import Compression
 
@@ -362,9 +361,8 @@ def synchronize(handle) -> Any:
 
 def barrier(process_set=global_process_set) -> None:
     """Block until every rank (of ``process_set``) arrives."""
-    from cgx.process_sets import reducer_of
     g = resolve_process_set(process_set)
-    session.run(lambda: reducer_of(g).transport.barrier(), label="barrier")
+    session.run(lambda: session.reducer_of(g).transport.barrier(), label="barrier")
 
 
 def join(device=-1) -> int:

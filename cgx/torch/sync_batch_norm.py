@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from cgx import runtime
-from cgx.collectives.functional import Sum
+from cgx.ops import Sum
 
 
 class SyncBatchNorm(_BatchNorm):

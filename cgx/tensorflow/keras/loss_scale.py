@@ -18,7 +18,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from cgx.collectives.functional import Min
+from cgx.ops import Min
 
 
 _keras_check_finite = keras.optimizers.LossScaleOptimizer.check_finite

@@ -26,7 +26,7 @@ from cgx.comm.base import ReduceOp
 from cgx.compression import Compression
 from cgx.tensorflow.gradients import GradientExchange, cgx_compression, check_gradient_args
 from cgx.tensorflow.keras._serialization import compression_from_config, compression_to_config
-from cgx.collectives.functional import Average
+from cgx.ops import Average
 from cgx.tensorflow.ops import resolve_process_set
 from cgx.process_sets import global_process_set
 from cgx.tensorflow.ops import tf_side_compressor

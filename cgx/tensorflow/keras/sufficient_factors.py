@@ -63,9 +63,9 @@ import torch
 
 from cgx import session
 from cgx.grad_plan import GradientPlan, GradMode
-from cgx.collectives.functional import group_size
+from cgx.ops import group_size
 from cgx.comm.base import ReduceOp
-from cgx.process_sets import reducer_of
+from cgx.session import reducer_of
 from cgx.sufficient_factors import gathered
 from cgx.tensorflow._bridge import WorkBuffers, run_collective, to_tf, to_torch
 
