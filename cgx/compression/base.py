@@ -29,11 +29,12 @@ payload must have the same number of bytes on every rank for the same tensor
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 import functools
 import types
 import zlib
-from typing import Any, ClassVar, Optional, Tuple
+from typing import Any, ClassVar, Optional, Sequence, Tuple
 
 import torch
 
@@ -338,6 +339,32 @@ class Compressor(abc.ABC):
 
         Example: ``comp.reset("fc.weight")``; ``comp.reset()`` clears everything.
         """
+
+    def per_tensor_tables(self) -> tuple[dict, ...]:
+        """The dicts (tensor name -> state) this compressor keeps per tensor, residuals
+        first when it keeps them; :meth:`untouched` saves and restores them."""
+        return ()
+
+    def take_residual(self, name: Optional[str]) -> Optional[torch.Tensor]:
+        """Remove and return what this compressor still owes for ``name`` (its error-feedback
+        residual, in the units of its input), or None when it holds nothing."""
+        return None
+
+    @contextlib.contextmanager
+    def untouched(self, names: Sequence[Optional[str]]):
+        """Per-tensor state of ``names`` as it was before the block; their residuals are
+        held out during it (a joined rank's zeros go out as zeros and change nothing)."""
+        tables = self.per_tensor_tables()
+        saved = [{n: t[n] for n in names if n in t} for t in tables]
+        for n in names:
+            self.take_residual(n)
+        try:
+            yield
+        finally:
+            for table, kept in zip(tables, saved):
+                for n in names:
+                    table.pop(n, None)
+                table.update(kept)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -90,6 +90,12 @@ class ErrorFeedback(Compressor):
         """The residual of ``name`` (float32 or wider), or None before its first step."""
         return self._residuals.get(name)
 
+    def take_residual(self, name: Optional[str]) -> Optional[torch.Tensor]:
+        return self._residuals.pop(name, None)
+
+    def per_tensor_tables(self) -> tuple[dict, ...]:
+        return (self._residuals, *self.compressor.per_tensor_tables())
+
     def _with_feedback(self, tensor: torch.Tensor, name: Optional[str],
                        transport: Optional[Transport]):
         check_tensor(tensor, f"ErrorFeedback({type(self.compressor).__name__})")

@@ -215,6 +215,12 @@ class PowerSGDCompressor(Compressor):
         """The (n, m) residual of ``name``, or None."""
         return self._residuals.get(name)
 
+    def take_residual(self, name: Optional[str]) -> Optional[torch.Tensor]:
+        return self._residuals.pop(name, None)
+
+    def per_tensor_tables(self) -> tuple[dict, ...]:
+        return (self._residuals, self._q, self._steps, self._draws)
+
     # -- the math ------------------------------------------------------------------
 
     def _next_step(self, tensor: torch.Tensor, name: Optional[str], who: str) -> int:
@@ -393,7 +399,7 @@ class PowerSGDCompressor(Compressor):
         self._draws = {n: int(d) for n, d in state["draws"].items()}
 
     def reset(self, *names: Optional[str]) -> None:
-        for table in (self._q, self._residuals, self._steps, self._draws):
+        for table in self.per_tensor_tables():
             if not names:
                 table.clear()
             for name in names:
