@@ -43,7 +43,7 @@ def _planned_walk(rank, walk, predivide):
     Returns the gradients' and outputs' running sums, and the residuals, after each step."""
     import cgx.torch as hvd
     from cgx import session
-    from cgx.grad_plan import GradientPlan
+    from cgx.exchange import GradientPlan
     names = list(SHAPES)
     plan = GradientPlan(names, list(SHAPES.values()),
                         hvd.Compression.planned(bits=2, bucket_size=64, replan_every=0,
@@ -119,7 +119,7 @@ def _auto_walk(rank, walk, predivide):
     (every step re-plans). Returns the gradients' and outputs' sums and the residuals."""
     import cgx.torch as hvd
     from cgx import session
-    from cgx.grad_plan import GradientPlan
+    from cgx.exchange import GradientPlan
     names = list(walk)
     plan = GradientPlan(names, [(64, 48)] * len(names),
                         hvd.Compression.auto(window=1, adjust_every=1, error_feedback=True),

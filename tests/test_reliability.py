@@ -270,7 +270,7 @@ def _ef_overflow(rank, world):
         with opt.skip_synchronize():
             if ok:  # the AMP recipe: a non-finite step is skipped
                 opt.step()
-    res = opt._plan._residuals
+    res = opt._plan.residuals.residuals
     return {"finite": finite, "residuals_finite": all(bool(torch.isfinite(e).all())
                                                       for e in res.values()),
             "params": [p.detach().clone() for p in model.parameters()]}
@@ -341,12 +341,12 @@ def _broadcast_keeps_residuals(rank, world):
         g = torch.Generator().manual_seed(step * 10 + rank)
         model(torch.randn(8, 64, generator=g)).pow(2).mean().backward()
         opt.step()
-    mine = {k: v.clone() for k, v in opt._plan._residuals.items()}
+    mine = {k: v.clone() for k, v in opt._plan.residuals.residuals.items()}
     if rank == 0:
         for group in opt.param_groups:
             group["lr"] = 0.05
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    after = opt._plan._residuals
+    after = opt._plan.residuals.residuals
     momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
     return {"kept": all(torch.equal(mine[k], after[k]) for k in mine), "nonzero":
             all(bool(v.abs().sum() > 0) for v in mine.values()),

@@ -321,7 +321,7 @@ def hvd():
 def test_validation_errors(hvd):
     import torch
 
-    from cgx.grad_plan import GradientPlan
+    from cgx.exchange import GradientPlan
     x = tf.ones([4])
     with pytest.raises(ValueError, match="Adasum"):
         hvd.allreduce(x, op=hvd.Adasum)
@@ -383,7 +383,7 @@ def test_several_replicas_per_process_are_refused(hvd, monkeypatch):
 
 
 def test_single_rank_is_identity_and_plan_modes(hvd):
-    from cgx.grad_plan import GradientPlan, unique_names
+    from cgx.exchange import GradientPlan, unique_names
     w = tf.Variable(tf.ones([64, 64]), name="w")
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(w * 3.0)

@@ -42,7 +42,7 @@ def _world(rank, world):
     os.environ["CGX_FUSION_BUFFER_SIZE_MB"] = FUSION_MB
     tf.config.threading.set_inter_op_parallelism_threads(2)
     import cgx.tensorflow as hvd
-    from cgx.grad_plan import ready_order_buckets
+    from cgx.exchange import ready_order_buckets
     hvd.init()
     model = _model()
     g = tf.random.Generator.from_seed(rank)

@@ -32,7 +32,7 @@ def _sent_error(rank, world, which):
     after a plan made from the 8 steps before, and the bytes of what travelled."""
     import cgx.torch as hvd
     from cgx import session
-    from cgx.grad_plan import GradientPlan
+    from cgx.exchange import GradientPlan
     hvd.init()
     comp = hvd.Compression.auto(window=8, adjust_every=1000, error_feedback=False) \
         if which == "auto" else hvd.Compression.quantize(bits=4, bucket_size=1024)
@@ -109,8 +109,8 @@ def _residuals_by_optimizer(rank, world, optimizer, families):
     _train(model, opt, 6, rank)
     plan = {r["layer"]: r["family"] for r in opt.compression_plan()}
     gp = opt._plan
-    held = {n: n in gp._residuals or gp._auto_topk.residual(n) is not None
-            or gp._auto_psgd.residual(n) is not None for n in plan if plan[n] != "exact"}
+    held = {n: n in gp.residuals.residuals or gp.reduction.topk.residual(n) is not None
+            or gp.reduction.powersgd.residual(n) is not None for n in plan if plan[n] != "exact"}
     return {"plan": plan, "held": held}
 
 

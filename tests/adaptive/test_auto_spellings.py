@@ -106,7 +106,7 @@ def _ddp_error_feedback(rank, world, optimizer, env_ef):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    return {"ef": state.error_feedback, "residuals": len(state._plan._residuals),
+    return {"ef": state.error_feedback, "residuals": len(state._plan.residuals.residuals),
             "forced": forced.error_feedback, "user_object": comp.error_feedback}
 
 

@@ -38,7 +38,7 @@ def _plans(rank, world):
     for block in range(3):
         _train(hvd, model, opt, 4, start=4 * block)
         history.append([(r["layer"], r["level"]) for r in opt.compression_plan()])
-        residuals.append({k: v.clone() for k, v in opt._plan._residuals.items()})
+        residuals.append({k: v.clone() for k, v in opt._plan.residuals.residuals.items()})
     return {"history": history, "made": opt._plan.adaptive.plans_made,
             "residuals": residuals, "params": [p.detach() for p in model.parameters()]}
 

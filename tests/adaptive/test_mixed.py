@@ -163,7 +163,7 @@ def _mixed(rank, world, phase, blob):
         buf = io.BytesIO()
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
         return buf.getvalue()
-    psgd = opt._plan._auto_psgd
+    psgd = opt._plan.reduction.powersgd
     return {"history": history, "params": [p.detach() for p in model.parameters()],
             "draws": dict(psgd._draws), "plans": opt._plan.adaptive.plans_made,
             "hvd_bytes": hvd.stats().wire_bytes}
@@ -208,7 +208,7 @@ def _walk(rank, world, walk):
     summed inputs and outputs, who holds a residual after each step, PowerSGD's state."""
     import cgx.torch as hvd
     from cgx import session
-    from cgx.grad_plan import GradientPlan
+    from cgx.exchange import GradientPlan
     hvd.init()
     plan = GradientPlan(list(walk), [(64, 48)] * len(walk),
                         hvd.Compression.auto(window=1, adjust_every=1, error_feedback=True,
@@ -231,12 +231,12 @@ def _walk(rank, world, walk):
         outs = session.run(plan.reduce, [x.clone() for x in grads], name="walk", step=step)
         for t, o in zip(total_out, outs):
             t += o
-        held.append(sorted(n for n in walk if n in plan._residuals or n in plan._owed or
-                           plan._auto_topk.residual(n) is not None or
-                           plan._auto_psgd.residual(n) is not None))
+        held.append(sorted(n for n in walk if n in plan.residuals.residuals or n in plan.residuals.owed or
+                           plan.reduction.topk.residual(n) is not None or
+                           plan.reduction.powersgd.residual(n) is not None))
     return {"loss": [float((a - b).norm()) for a, b in zip(total_in, total_out)],
-            "held": held, "draws": dict(plan._auto_psgd._draws),
-            "q_cols": {n: q.shape[1] for n, q in plan._auto_psgd._q.items()}}
+            "held": held, "draws": dict(plan.reduction.powersgd._draws),
+            "q_cols": {n: q.shape[1] for n, q in plan.reduction.powersgd._q.items()}}
 
 
 def test_residuals_and_warm_starts_follow_layers_across_families():
@@ -264,7 +264,7 @@ def test_a_residual_handed_to_quantization_is_sent():
 def test_error_feedback_follows_the_optimizers_update_rule():
     from cgx.adaptive.compensation import UpdateRule, update_rule_of
     from cgx.config import Config
-    from cgx.grad_plan import GradientPlan
+    from cgx.exchange import GradientPlan
     w = [torch.nn.Parameter(torch.zeros(3))]
 
     class MySGD(torch.optim.SGD):

@@ -62,7 +62,7 @@ import tensorflow as tf
 import torch
 
 from cgx import session
-from cgx.grad_plan import GradientPlan, GradMode
+from cgx.exchange import GradientPlan, GradMode
 from cgx.ops import group_size
 from cgx.comm.base import ReduceOp
 from cgx.session import reducer_of

@@ -1,0 +1,169 @@
+"""The AUTO mode: per-layer families and levels chosen within an error budget
+(``cgx.adaptive``), optionally with the planner (``Compression.auto(planner=True)``).
+
+Each call reduces each family's tensors together: quantized and exact ones in one fused
+call, top-k ones in one allgather, PowerSGD ones in two allreduces (that order on every
+rank). Residuals stay with their family while a layer keeps it (a new quantization level,
+top-k density or PowerSGD rank keeps them; PowerSGD also keeps its warm start). When a
+layer changes family, what its old compressor still owed is added once to its next
+gradient, which the new compressor then carries (and, with error feedback, owes in its
+turn). Every family's residual is in input units (after the ``1 / predivide`` prescale),
+so what is owed is exactly what was dropped, whichever chunk of the fused reduction the
+values fell in.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from cgx.adaptive import AdaptiveSchedule
+from cgx.adaptive.candidates import Family
+from cgx.compression import ErrorFeedback
+from cgx.compression.planned import PlannedCompression
+from cgx.exchange.modes import Call, GradMode, Mode, Settings, reduce_family, reduce_fused
+from cgx.quant.codec import QuantSpec
+
+
+def _planner_for(adaptive: AdaptiveSchedule, comp, names, shapes, base):
+    """The planner auto consults (``Compression.auto(planner=True)``), traced like the
+    planned mode with auto's default level."""
+    from cgx.planner.schedule import PlannedSchedule
+    d = adaptive.default
+    bits, bucket = (d.bits, d.bucket_size) if d.family is Family.QUANTIZE else (4, 1024)
+    return PlannedSchedule(
+        names, shapes, [QuantSpec(bits, bucket) if c is not None else None
+                        for c in adaptive.candidates],
+        PlannedCompression(bits=bits, bucket_size=bucket, calibrate_steps=2,
+                           assume_gbit=comp.assume_gbit, replan_every=0),
+        base.inner_reduction, base.fusion_buffer_mb)
+
+
+class Auto(Mode):
+    """Per-layer levels of every family, re-planned as the gradients' statistics change.
+
+    Args:
+        cfg: the shared settings.
+        compression: the ``Compression.auto(...)`` settings.
+        names, shapes, specs: the plan's tensors (a None spec: the rules keep it exact).
+        base: the configuration the levels start from.
+    """
+
+    kind = GradMode.AUTO
+
+    def __init__(self, cfg: Settings, compression, names, shapes, specs, base):
+        super().__init__(cfg, compression)
+        from cgx.compression.powersgd import PowerSGDCompressor
+        from cgx.compression.topk import TopKCompressor
+        self.names = list(names)
+        self.adaptive = AdaptiveSchedule(
+            self.names, shapes, [s is not None for s in specs], compression,
+            base if base.quantization_enabled else base.replace(bits=4),
+            error_feedback=cfg.error_feedback)
+        # Layers planned to top-k or PowerSGD reduce through these (per-layer density and
+        # rank set from the plan; with error feedback both keep their residuals, as
+        # quantized layers do: one rule for every family; PowerSGD keeps its warm starts).
+        self.topk = ErrorFeedback(TopKCompressor())
+        self.powersgd = PowerSGDCompressor(min_compression_rate=0.0,
+                                           error_feedback=cfg.error_feedback)
+        self.planned = _planner_for(self.adaptive, compression, self.names, shapes,
+                                    base) if compression.planner else None
+        self.last_step: Optional[int] = None
+
+    def _replan_when_due(self, step: int, red) -> None:
+        """Re-plan when due (a collective, at the first reduction of a step on every rank)."""
+        if step == self.last_step:
+            return
+        self.last_step = step
+        sched = self.adaptive
+        if not sched.due(step):
+            return
+        old = list(sched.plan)
+        hidden = ()
+        if self.planned is not None:  # the planner first: exact where that is as fast
+            self.planned.replan(red.transport, False, step=step, timeline=red.timeline)
+            hidden = [i for i, c in enumerate(self.planned.chosen)
+                      if not c and sched.candidates[i] is not None]
+        sched.replan(step, red.transport, red.config.cpu_threads, red.config.verbose,
+                     hidden=hidden)
+        self._collect_owed(old)
+
+    def _collect_owed(self, old_plan: list) -> None:
+        """After a re-plan: what the old compressor of each layer that changed family still
+        owed, to be added once to the layer's next gradient."""
+        holders = {Family.TOPK: self.topk, Family.POWERSGD: self.powersgd}
+        for i, (before, now) in enumerate(zip(old_plan, self.adaptive.plan)):
+            fb = Family.EXACT if before is None else before.family
+            fn = Family.EXACT if now is None else now.family
+            if fb is fn:
+                continue
+            n, holder, store = self.names[i], holders.get(fb), self.cfg.store
+            store.owe(n, holder.take_residual(n) if holder is not None
+                      else store.residuals.pop(n, None))
+
+    def reduce(self, red, call: Call) -> None:
+        self._replan_when_due(call.step, red)
+        sched = self.adaptive
+        chosen = sched.choices(call.step)
+        chosen = [chosen[i] for i in call.idx]
+        fam = [None if c is None else c.family for c in chosen]
+        if not call.shadow:
+            if sched.observing(call.step):  # the gradients alone (see cgx.adaptive.stats)
+                sched.observe(call.step, call.idx, call.work)
+            self.cfg.store.add_owed(call.work, call.names)
+        plain = [k for k in range(len(call.work)) if fam[k] not in (Family.TOPK,
+                                                                     Family.POWERSGD)]
+        if plain:
+            sub = Call([call.work[k] for k in plain], [call.idx[k] for k in plain],
+                       [call.names[k] for k in plain], [], call.step, call.shadow, call.label)
+            reduce_fused(self.cfg, red, sub, [chosen[k].spec(sched.rounding)
+                                              if fam[k] is Family.QUANTIZE else None
+                                              for k in plain])
+        for family in (Family.TOPK, Family.POWERSGD):
+            ks = [k for k in range(len(call.work)) if fam[k] is family]
+            if ks:
+                self._reduce_family(red, family, [call.work[k] for k in ks],
+                                    [call.names[k] for k in ks], [chosen[k] for k in ks],
+                                    call.shadow)
+
+    def _reduce_family(self, red, family: Family, ws: list, names: list, chosen: list,
+                       shadow: bool) -> None:
+        comp = self.topk if family is Family.TOPK else self.powersgd
+        inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
+        for n, c in zip(names, chosen):
+            if family is Family.TOPK:
+                inner.densities[n] = c.density
+            else:
+                inner.ranks[n] = c.rank
+        if shadow:  # zeros for a joined rank: no residual sent, no state changed
+            with comp.untouched(names):
+                reduce_family(self.cfg, red, inner, ws, names)
+        else:
+            reduce_family(self.cfg, red, comp if self.cfg.error_feedback else inner, ws, names)
+
+    def held(self, name: str) -> list[torch.Tensor]:
+        parts = []
+        for comp in (self.compression, self.topk, self.powersgd):
+            e = comp.residual(name) if callable(getattr(comp, "residual", None)) else None
+            if e is not None:
+                parts.append(e.detach().reshape(-1).to(torch.float32) * self.cfg.predivide)
+        return parts
+
+    def state_dict(self) -> dict:
+        state = {"adaptive": self.adaptive.state_dict(), "last_step": self.last_step,
+                 "auto_topk": self.topk.state_dict(),
+                 "auto_powersgd": self.powersgd.state_dict()}
+        if self.planned is not None:
+            state["planned"] = self.planned.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if "adaptive" in state:
+            self.adaptive.load_state_dict(state["adaptive"])
+            self.last_step = state.get("last_step")
+            if "auto_topk" in state:
+                self.topk.load_state_dict(state["auto_topk"])
+                self.powersgd.load_state_dict(state["auto_powersgd"])
+        if self.planned is not None and "planned" in state:
+            self.planned.load_state_dict(state["planned"])
