@@ -140,8 +140,14 @@ def _ddp_hook(rank, world, bits):
                 q.copy_(p)  # keep b at a's parameters so only this step's error counts
     grads = torch.cat([p.grad.view(-1) for p in a.parameters()])
     clone = pickle.loads(pickle.dumps(state))
-    return errs, grads, state.state_dict()["iteration"], type(clone).__name__, \
-        len(state.state_dict()["residuals"])
+    # A checkpoint of the format that kept residuals beside the plan still loads.
+    held = state.state_dict()["plan"]["residuals"]
+    fresh = hvd.CGXState(a, config=Config(bits=bits, minimal_size=0), error_feedback=bits < 32)
+    fresh.load_state_dict({"format": 1, "iteration": 3, "residuals": held})
+    reloaded = fresh.state_dict()["plan"]["residuals"]
+    assert reloaded.keys() == held.keys()
+    assert all(torch.equal(reloaded[k], held[k]) for k in held)
+    return errs, grads, state.state_dict()["iteration"], type(clone).__name__, len(held)
 
 
 @pytest.mark.parametrize("bits,tol", [(32, 1e-6), (8, 0.05)])

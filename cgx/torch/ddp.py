@@ -17,14 +17,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from cgx.adaptive.compensation import UpdateRule, update_rule_of
 from cgx.comm.consistency import agree, signature
+from cgx.compression import Compression
+from cgx.exchange import GradientPlan
 from cgx.collectives import Reducer
-from cgx.comm.base import ReduceOp
 from cgx.comm.torch_dist import TorchTransport
 from cgx.config import CompressionMode, Config
-from cgx.rules import LayerRules
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 1: residuals beside the plan (still read)
 
 
 class CGXState:
@@ -58,35 +59,27 @@ class CGXState:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"CGXState needs the model (a torch.nn.Module) for parameter names, "
                             f"got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be the torch.optim.Optimizer that applies the "
+                            f"gradients, got {type(optimizer).__name__}")
         self.config = config or Config.from_env()
         self.process_group = process_group
-        self.error_feedback = self.config.error_feedback if error_feedback is None \
-            else bool(error_feedback)
-        rules_source = rules
-        rules = LayerRules.from_config(self.config, rules)
+        self.auto = compression is not None or self.config.compression is CompressionMode.AUTO
         module = model.module if hasattr(model, "module") else model
-        self._names = {id(p): n for n, p in module.named_parameters()}
-        self._specs = {id(p): rules.spec_for(n, tuple(p.shape)) if self.config.quantization_enabled
-                       else None for n, p in module.named_parameters()}
-        # compression="auto": one GradientPlan over all parameters (it owns the residuals).
-        self._plan = None
-        if compression is not None or self.config.compression is CompressionMode.AUTO:
-            from cgx.adaptive.compensation import UpdateRule, update_rule_of
-            from cgx.grad_plan import GradientPlan
-            if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(f"optimizer must be the torch.optim.Optimizer that applies the "
-                                f"gradients, got {type(optimizer).__name__}")
-            named = list(module.named_parameters())
-            self._plan = GradientPlan(
-                [n for n, _ in named], [tuple(p.shape) for _, p in named],
-                _auto_settings(compression, self.config, error_feedback), rules=rules_source,
-                config=self.config, update_rule=UpdateRule.UNKNOWN if optimizer is None
-                else update_rule_of(optimizer))
-            self.error_feedback = self._plan.error_feedback
-            self._index = {id(p): i for i, (_, p) in enumerate(named)}
+        named = list(module.named_parameters())
+        # One GradientPlan over all parameters: the specs, the residuals, auto's levels.
+        self._plan = GradientPlan(
+            [n for n, _ in named], [tuple(p.shape) for _, p in named],
+            _auto_settings(compression, self.config, error_feedback) if self.auto
+            else Compression.none,
+            rules=rules, update_rule=UpdateRule.UNKNOWN if optimizer is None
+            else update_rule_of(optimizer),
+            config=self.config if error_feedback is None or self.auto
+            else self.config.replace(error_feedback=bool(error_feedback)))
+        self.error_feedback = self._plan.error_feedback
+        self._index = {id(p): i for i, (_, p) in enumerate(named)}
         # -- internal state (checkpointed) --
         self.iteration = 0  # buckets of one backward share it; advanced by bucket 0
-        self.residuals = {}  # parameter name -> float32 residual
         # -- runtime objects (not pickled) --
         self._reducer: Optional[Reducer] = None
         self._checked: set = set()  # bucket layouts every rank agreed on
@@ -100,25 +93,25 @@ class CGXState:
         return self._reducer
 
     def state_dict(self) -> dict:
-        state = {"format": STATE_FORMAT, "iteration": self.iteration,
-                 "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
-        if self._plan is not None:
-            state["plan"] = self._plan.state_dict()
-        return state
+        return {"format": STATE_FORMAT, "iteration": self.iteration,
+                "plan": self._plan.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("format") != STATE_FORMAT:
+        if state.get("format") not in (1, STATE_FORMAT):
             raise ValueError(f"CGXState checkpoint has format {state.get('format')}, expected "
                              f"{STATE_FORMAT}")
         self.iteration = int(state["iteration"])
-        self.residuals = {k: v.detach().clone() for k, v in state["residuals"].items()}
-        if self._plan is not None and "plan" in state:
+        if "plan" in state:
             self._plan.load_state_dict(state["plan"])
+        if state["format"] == 1:  # the residuals were kept beside the plan (same units)
+            self._plan.residuals.residuals.update(
+                {k: v.detach().clone() for k, v in state["residuals"].items()})
 
     def compression_plan(self) -> list:
         """Per parameter: layer, shape, family, level, bytes, error and share of the error
-        budget (``compression="auto"``; see ``cgx.adaptive.format_plan``), else []."""
-        return self._plan.compression_plan() if self._plan is not None else []
+        budget (``compression="auto"``: see ``cgx.adaptive.format_plan``; else the fixed
+        per-layer specs)."""
+        return self._plan.compression_plan()
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -126,13 +119,6 @@ class CGXState:
         state["_reducer"] = None
         state["_checked"] = set()
         return state
-
-    def _residual(self, name: str, numel: int, device) -> torch.Tensor:
-        e = self.residuals.get(name)
-        if e is None or e.numel() != numel:
-            e = torch.zeros(numel, dtype=torch.float32, device=device)
-            self.residuals[name] = e
-        return e
 
 
 def _auto_settings(compression, config: Config, error_feedback: Optional[bool]):
@@ -155,41 +141,34 @@ def _auto_settings(compression, config: Config, error_feedback: Optional[bool]):
     return comp
 
 
+def _check_layout(state: CGXState, name: str, grads, indices) -> None:
+    """Once per bucket layout (DDP launches the same buckets in the same order on every
+    rank, and rebuilds them everywhere alike): the ranks agree on it."""
+    plan = state._plan
+    specs = ["auto"] * len(indices) if state.auto else [plan.specs[i] for i in indices]
+    sig = signature("DDP bucket", name, names=[plan.names[i] for i in indices],
+                    shapes=[tuple(g.shape) for g in grads],
+                    dtypes=[g.dtype for g in grads], specs=specs,
+                    error_feedback=state.error_feedback)
+    if sig.digest() not in state._checked:
+        agree(state.reducer().transport, sig, recoverable=False)
+        state._checked.add(sig.digest())
+
+
 def _reduce(state: CGXState, bucket: dist.GradBucket, fut: torch.futures.Future,
             step: int) -> None:
     try:
         grads = [g.view(-1) for g in bucket.gradients()]
         params = bucket.parameters()
-        specs = [state._specs.get(id(p)) for p in params]
+        indices = [state._index[id(p)] for p in params]
         name = f"ddp.bucket{bucket.index()}"
-        if state._plan is not None:
-            specs = ["auto"] * len(params)  # the layout check below; the plan decides
         if state.config.check_consistency:
-            # Once per bucket layout (DDP launches the same buckets in the same order on
-            # every rank, and rebuilds them everywhere alike): the ranks agree on it.
-            sig = signature("DDP bucket", name, names=[state._names.get(id(p)) for p in params],
-                            shapes=[tuple(g.shape) for g in grads],
-                            dtypes=[g.dtype for g in grads], specs=specs,
-                            error_feedback=state.error_feedback)
-            if sig.digest() not in state._checked:
-                agree(state.reducer().transport, sig, recoverable=False)
-                state._checked.add(sig.digest())
-        if state._plan is not None:
-            outs = state._plan.reduce(list(grads), name=name, step=step,
-                                      indices=[state._index[id(p)] for p in params],
-                                      reducer=state.reducer())
-            for g, o in zip(grads, outs):
-                if o is not g:
-                    g.copy_(o.view_as(g))
-            fut.set_result(bucket.buffer())
-            return
-        residuals = None
-        if state.error_feedback:
-            residuals = [state._residual(state._names.get(id(p), str(i)), g.numel(), g.device)
-                         if s is not None else None
-                         for i, (p, g, s) in enumerate(zip(params, grads, specs))]
-        state.reducer().allreduce(grads, specs, op=ReduceOp.AVERAGE, residuals=residuals,
-                                  step=step, name=name)
+            _check_layout(state, name, grads, indices)
+        outs = state._plan.reduce(list(grads), name=name, step=step, indices=indices,
+                                  reducer=state.reducer())
+        for g, o in zip(grads, outs):
+            if o is not g:
+                g.copy_(o.view_as(g))
         fut.set_result(bucket.buffer())
     except BaseException as exc:
         fut.set_exception(exc)
