@@ -29,7 +29,6 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 from cgx import runtime
 from cgx.comm.consistency import agree, signature
-from cgx.errors import NotInitializedError
 
 _lock = threading.Lock()
 
@@ -125,7 +124,6 @@ class _Entry:
 _entries: dict = {}
 _next_id = 1
 _world = None  # the world transport the registered sets were split from
-_session_reducer_of = None  # cgx.session.reducer_of, once the session is imported
 
 
 def _current() -> dict:
@@ -287,23 +285,6 @@ def resolve(process_set) -> Optional[_Entry]:
         raise ValueError(f"rank {runtime.rank()} is not a part of {process_set}: only its ranks "
                          "may call collectives on it (check ps.included() first)")
     return entry
-
-
-def reducer_of(entry: Optional[_Entry]):
-    """The Reducer of a resolved set (the world's for None); engine thread.
-
-    Deprecated here: use :func:`cgx.session.reducer_of`, which this calls (the session,
-    a layer above this registry, hands it over with :func:`serve_reducers` on import).
-    """
-    if _session_reducer_of is None:
-        raise NotInitializedError("no session: import cgx.session and call init() first")
-    return _session_reducer_of(entry)
-
-
-def serve_reducers(reducer_of_: Callable[[Optional[_Entry]], object]) -> None:
-    """Called by :mod:`cgx.session` on import: where :func:`reducer_of` finds reducers."""
-    global _session_reducer_of
-    _session_reducer_of = reducer_of_
 
 
 def global_rank_to_set_rank(entry: Optional[_Entry], root_rank: int) -> int:

@@ -104,8 +104,6 @@ def reducer_of(group) -> Reducer:
     return group.reducer
 
 
-process_sets_.serve_reducers(reducer_of)
-
 
 def shutdown() -> None:
     """Stop the engine, write the timeline, close the transport."""

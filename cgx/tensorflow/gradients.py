@@ -16,7 +16,7 @@ issues the buckets in the same order. One last op waits for all of them (the tim
 it waits is the exposed communication). Eagerly, backward is over before the
 exchange is called: the gradients go in one call.
 
-The :class:`~cgx.grad_plan.GradientPlan` decides per gradient, by
+The :class:`~cgx.exchange.GradientPlan` decides per gradient, by
 variable name and shape, whether it travels quantized (``CGX_*`` settings and
 layer rules, as ``cgx.torch.DistributedOptimizer`` does) or exact; ``None``
 gradients are left out (the variable set is the same on every rank: one
@@ -26,7 +26,6 @@ graph), and ``tf.IndexedSlices`` are made dense so they can be compressed.
 from __future__ import annotations
 
 import itertools
-import numbers
 import threading
 import time
 from typing import Optional, Sequence
@@ -38,8 +37,8 @@ from cgx.adaptive.compensation import UpdateRule
 from cgx.compression import Compression, as_compressor
 from cgx.tensorflow._bridge import WorkBuffers, run_collective, to_tf
 from cgx import runtime
-from cgx.grad_plan import GradientPlan, ready_order_buckets, unique_names
-from cgx.collectives.functional import Average, Sum, group_size
+from cgx.exchange import ExchangeOptions, GradientPlan, ready_order_buckets, unique_names
+from cgx.ops import Average, group_size
 from cgx.process_sets import global_process_set
 from cgx.collectives.reducer import ReduceStats
 from cgx.tensorflow.ops import allreduce, resolve_process_set, tf_side_compressor
@@ -62,19 +61,6 @@ def variable_name(v, fallback: Optional[str] = None) -> Optional[str]:
     return fallback
 
 
-def check_gradient_args(op, gradient_predivide_factor, who: str):
-    """Validate the options shared by the tape and the Keras optimizer."""
-    if op is not Average and op is not Sum:
-        raise ValueError(f"op must be Average or Sum for {who}, got {op!r}")
-    if isinstance(gradient_predivide_factor, bool) or \
-            not isinstance(gradient_predivide_factor, numbers.Real) or \
-            not gradient_predivide_factor > 0:
-        raise ValueError(f"gradient_predivide_factor must be a number > 0, got "
-                         f"{gradient_predivide_factor!r}")
-    if gradient_predivide_factor != 1.0 and op is not Average:
-        raise ValueError("gradient_predivide_factor applies to op=Average only")
-
-
 def cgx_compression(compression):
     """``compression`` with its string spellings (``"auto"``) made the cgx compressor they
     name: a string has no ``compress`` of its own to run on the TF side."""
@@ -85,7 +71,7 @@ class GradientExchange:
     """Reduces lists of TF gradients; one :class:`GradientPlan` per variable set.
 
     Args:
-        compression: see :mod:`cgx.grad_plan` (a Horovod-style TF
+        compression: see :mod:`cgx.exchange.plan` (a Horovod-style TF
             compressor is applied on the TF side, its payloads reduced exactly).
         op: Average or Sum.
         gradient_predivide_factor: as in Horovod.
@@ -104,16 +90,18 @@ class GradientExchange:
                  gradient_predivide_factor: float = 1.0, rules=None,
                  label: Optional[str] = None, process_set=global_process_set,
                  sparse_as_dense: bool = False, update_rule: UpdateRule = UpdateRule.UNKNOWN):
-        check_gradient_args(op, gradient_predivide_factor, "gradient reduction")
+        opts = ExchangeOptions.checked("gradient reduction", op=op,
+                                       gradient_predivide_factor=gradient_predivide_factor,
+                                       sparse_as_dense=sparse_as_dense)
         compression = cgx_compression(compression)
         self._user = tf_side_compressor(compression)
         self.compression = Compression.exact if self._user is not None else compression
-        self.op = op
-        self.predivide = float(gradient_predivide_factor)
+        self.op = opts.op
+        self.predivide = opts.predivide
         self.rules = rules
         self.group = resolve_process_set(process_set)
         self.process_set = process_set
-        self.sparse_as_dense = bool(sparse_as_dense)
+        self.sparse_as_dense = opts.sparse_as_dense
         self.update_rule = update_rule
         self.label = label or f"grads{next(_labels)}"
         self._plans: dict = {}
@@ -390,7 +378,8 @@ class DistributedGradientTape:
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError(f"gradtape must be a tf.GradientTape, got {type(gradtape).__name__}")
         resolve_process_set(process_set)  # raises now if this rank may not use it
-        check_gradient_args(op, gradient_predivide_factor, "DistributedGradientTape")
+        ExchangeOptions.checked("DistributedGradientTape", op=op,
+                                gradient_predivide_factor=gradient_predivide_factor)
         self._tape = gradtape
         self._names = _named(named_variables)
         self._exchange = _shared_exchange(compression, op, gradient_predivide_factor, rules,

@@ -42,13 +42,13 @@ from cgx.comm.consistency import Signature, signature
 from cgx.compression import Compression, as_compressor
 from cgx.errors import CGXError
 from cgx.adaptive.compensation import update_rule_of
-from cgx.grad_plan import (FIRST_BUCKET_BYTES, GradientPlan, GradMode,  # noqa: F401 - GradMode: API
-                            ready_order_buckets)
+from cgx.exchange import (FIRST_BUCKET_BYTES, ExchangeOptions, GradientPlan,  # noqa: F401
+                          GradMode, check_wrapped_once, ready_order_buckets)  # GradMode: API
 from cgx import session
 from cgx.collectives import joining
-from cgx.collectives.functional import (Average, Sum, answer_joined, group_size,
-                                        resolve_process_set)
-from cgx.process_sets import global_process_set, reducer_of
+from cgx.ops import Average, answer_joined, group_size, resolve_process_set
+from cgx.process_sets import global_process_set
+from cgx.session import reducer_of
 
 STATE_FORMAT = 1
 
@@ -121,33 +121,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
-        if isinstance(optimizer, DistributedOptimizer):
-            raise ValueError("this optimizer is already a DistributedOptimizer; wrap it once")
+        check_wrapped_once(optimizer, DistributedOptimizer)
         self._group = resolve_process_set(process_set)
-        if isinstance(backward_passes_per_step, bool) or not isinstance(
-                backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
-                             f"{backward_passes_per_step!r}")
-        if op not in (Average, Sum):
-            raise ValueError(f"op must be Average or Sum for DistributedOptimizer, got {op!r}")
-        if not gradient_predivide_factor > 0:
-            raise ValueError(f"gradient_predivide_factor must be > 0, got "
-                             f"{gradient_predivide_factor!r}")
-        if gradient_predivide_factor != 1.0 and op is not Average:
-            raise ValueError("gradient_predivide_factor applies to op=Average only")
-        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
-            raise ValueError(f"num_groups must be an int >= 0, got {num_groups!r}")
+        opts = ExchangeOptions.checked(
+            "DistributedOptimizer", op=op, gradient_predivide_factor=gradient_predivide_factor,
+            backward_passes_per_step=backward_passes_per_step, num_groups=num_groups,
+            sparse_as_dense=sparse_as_dense)
         # Adopt the wrapped optimizer's param_groups and state objects (shared, not
         # copied): LR schedulers and GradScaler see one set of groups.
         self._optimizer = optimizer
         torch.optim.Optimizer.__setstate__(self, {"defaults": optimizer.defaults,
                                                   "state": optimizer.state,
                                                   "param_groups": optimizer.param_groups})
-        self._bpps = backward_passes_per_step
-        self._op = op
-        self._predivide = float(gradient_predivide_factor)
-        self._num_groups = num_groups
-        self._sparse_as_dense = sparse_as_dense
+        self._bpps = opts.backward_passes_per_step
+        self._op = opts.op
+        self._predivide = opts.predivide
+        self._num_groups = opts.num_groups
+        self._sparse_as_dense = opts.sparse_as_dense
         self._names = self._name_params(named_parameters)
         self._user_groups = self._check_groups(groups)
         self._compression = as_compressor(compression)
@@ -520,7 +510,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _reduce_sparse(self, i: int, grad: torch.Tensor, shadow: bool) -> None:
         """Engine thread: Horovod's sparse allreduce of one gradient (indices and values
         allgathered; values divided by the number of ranks for Average)."""
-        from cgx.collectives.functional import sparse_reduce
+        from cgx.ops import sparse_reduce
         name = f"opt{self._registry_id}.sparse.{self._names[id(self._params[i])]}"
         out = sparse_reduce(grad, self._op, name, self._group)
         if not shadow:
@@ -780,7 +770,7 @@ def join_world() -> int:
             session.run(answer_joined, status.root, label="joined-allreduce")
             continue
         if status.what == joining.OTHER:
-            continue  # refused on the other ranks (see functional.check)
+            continue  # refused on the other ranks (see cgx.ops.check)
         opt = _registry.get(status.what)
         if opt is None:
             raise CGXError(f"another rank is stepping DistributedOptimizer #{status.what}, "

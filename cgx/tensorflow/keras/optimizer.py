@@ -24,7 +24,8 @@ from keras.src.utils import tracking  # LossScaleOptimizer's tool: build() adds 
 from cgx.adaptive.compensation import update_rule_of
 from cgx.comm.base import ReduceOp
 from cgx.compression import Compression
-from cgx.tensorflow.gradients import GradientExchange, cgx_compression, check_gradient_args
+from cgx.exchange import ExchangeOptions, check_wrapped_once
+from cgx.tensorflow.gradients import GradientExchange, cgx_compression
 from cgx.tensorflow.keras._serialization import compression_from_config, compression_to_config
 from cgx.ops import Average
 from cgx.tensorflow.ops import resolve_process_set
@@ -107,18 +108,15 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                  num_groups: int = 0, groups=None, process_set=global_process_set,
                  scale_local_gradients: bool = True, *, rules=None, sufficient_factors=None,
                  _no_loss_scale: bool = False):
-        if isinstance(optimizer, DistributedOptimizer):
-            raise ValueError("this optimizer is already a DistributedOptimizer; wrap it once")
+        check_wrapped_once(optimizer, DistributedOptimizer)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(f"optimizer must be a Keras 3 optimizer (keras.optimizers.*), got "
                             f"{type(optimizer).__module__}.{type(optimizer).__name__}; tf_keras "
                             "(legacy Keras 2) optimizers are not supported")
         resolve_process_set(process_set)  # raises now if this rank may not use it
-        check_gradient_args(op, gradient_predivide_factor, "DistributedOptimizer")
-        if isinstance(backward_passes_per_step, bool) or not isinstance(
-                backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
-                             f"{backward_passes_per_step!r}")
+        opts = ExchangeOptions.checked(
+            "DistributedOptimizer", op=op, gradient_predivide_factor=gradient_predivide_factor,
+            backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense)
         if not isinstance(average_aggregated_gradients, bool):
             raise TypeError(f"average_aggregated_gradients must be True or False, got "
                             f"{average_aggregated_gradients!r}")
@@ -127,10 +125,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0,
                          name=name or f"Distributed{type(optimizer).__name__}")
         self._compression = compression
-        self._sparse_as_dense = bool(sparse_as_dense)
-        self._predivide = float(gradient_predivide_factor)
-        self._op = op
-        self._bpps = backward_passes_per_step
+        self._sparse_as_dense = opts.sparse_as_dense
+        self._predivide = opts.predivide
+        self._op = opts.op
+        self._bpps = opts.backward_passes_per_step
         self._average_aggregated = average_aggregated_gradients
         # Plain copies: Keras's attribute tracking wraps containers assigned to it.
         self._rules = _plain(rules)
