@@ -105,11 +105,11 @@ def _rank(rank, world, port, method, epochs, out):
         acc = float((logits.argmax(1) == test_y).float().mean())
         test_loss = float(torch.nn.functional.cross_entropy(logits, test_y))
     if rank == 0:
-        from cgx.adaptive import format_plan
+        from cgx.adaptive import format_levels
         with open(out, "w") as f:
             json.dump({"bytes_per_step": wire, "accuracy": acc, "test_loss": test_loss,
                        "steps": steps,
-                       "plan": format_plan(opt.compression_plan())}, f)
+                       "plan": format_levels(opt.compression_plan())}, f)
     dist.destroy_process_group()
 
 
@@ -177,11 +177,11 @@ def _lm_rank(rank, world, port, method, optimizer, steps, out):
     wire = (hvd.stats().wire_bytes - before) / steps
     val = w.evaluate(model)["loss"]
     if rank == 0:
-        from cgx.adaptive import format_plan
+        from cgx.adaptive import format_levels
         with open(out, "w") as f:
             json.dump({"bytes_per_step": wire, "val_loss": val, "steps": steps,
                        "error_feedback": bool(opt._plan.error_feedback),
-                       "plan": format_plan(opt.compression_plan())}, f)
+                       "plan": format_levels(opt.compression_plan())}, f)
     dist.destroy_process_group()
 
 

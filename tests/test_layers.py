@@ -175,6 +175,13 @@ def test_moved_modules_keep_their_old_import_paths():
              "cgx.collectives.functional": ("cgx.ops", "reduce_tensors", "Sum", "group_size"),
              "cgx.compression.quantization": ("cgx.quant.codec", "QuantSpec", "quantize"),
              "cgx.compression.quantizer": ("cgx.compression.quantize", "QuantizeCompressor")}
+    renamed = {"cgx.adaptive": {"Plan": "LevelChoice", "format_plan": "format_levels"},
+               "cgx.planner": {"Plan": "ExchangePlan", "format_plan": "format_exchange",
+                               "Timeline": "SimulatedStep"}}
+    for module, names in renamed.items():
+        m = importlib.import_module(module)
+        for old, new in names.items():
+            assert getattr(m, old) is getattr(m, new), f"{module}.{old}"
     for old, (new, *names) in pairs.items():
         was, now = importlib.import_module(old), importlib.import_module(new)
         for name in names:

@@ -189,9 +189,9 @@ def _cgx(name, model, make_optimizer) -> Setup:
         if m.group("bits"):
             return None
         if m.group("mode") == "planned":
-            from cgx.planner import format_plan as planned_table
+            from cgx.planner import format_exchange as planned_table
             return planned_table(opt.exchange_plan(), limit=12)
-        from cgx.adaptive import format_plan
-        return format_plan(opt.compression_plan())
+        from cgx.adaptive import format_levels
+        return format_levels(opt.compression_plan())
 
     return Setup(model, opt, accounted, compression_seconds, plan=plan)

@@ -195,7 +195,7 @@ class AdaptiveSchedule:
         changed = old != self.plan
         if verbose and changed and transport.rank == 0:
             print(f"[cgx] compression plan {self.plans_made} at step {step}:\n"
-                  + format_plan(self.rows()), file=sys.stderr, flush=True)
+                  + format_levels(self.rows()), file=sys.stderr, flush=True)
         return changed
 
     def _solve(self, layers: list, errors: list, world: int) -> None:
@@ -320,7 +320,7 @@ def matches(summary: dict, names: Sequence[str]) -> bool:
     return all(any(_same_layer(k, n) for n in names) for k in summary["plan"])
 
 
-def format_plan(rows: list[dict]) -> str:
+def format_levels(rows: list[dict]) -> str:
     """A markdown table of :meth:`AdaptiveSchedule.rows`."""
     lines = ["| layer | shape | family | level | bytes | error | share of budget |",
              "|---|---|---|---|---:|---:|---:|"]
@@ -333,4 +333,6 @@ def format_plan(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["AdaptiveSchedule", "AutoCompression", "format_plan"]
+format_plan = format_levels  # the former name, kept one release
+
+__all__ = ["AdaptiveSchedule", "AutoCompression", "format_levels", "format_plan"]

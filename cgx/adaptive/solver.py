@@ -28,7 +28,7 @@ DEFAULT_UNITS = 10_000
 
 
 @dataclasses.dataclass
-class Plan:
+class LevelChoice:
     """A solution: the chosen candidate index per layer, its cost and error."""
 
     choice: list
@@ -145,7 +145,7 @@ def _dp_numpy(costs: list, units_err: list, capacity: int) -> Optional[list]:
 
 def solve(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], budget: float,
           *, units: int = DEFAULT_UNITS, reference: Optional[Sequence[int]] = None,
-          native: bool = True) -> Plan:
+          native: bool = True) -> LevelChoice:
     """Pick one candidate per layer: minimal total cost with total error <= ``budget``.
 
     Args:
@@ -156,7 +156,7 @@ def solve(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
         native: use the C dynamic program when it is built (False: numpy).
 
     Returns:
-        The :class:`Plan`.
+        The :class:`LevelChoice`.
     """
     if len(costs) != len(errors) or any(len(c) != len(e) for c, e in zip(costs, errors)):
         raise ValueError("costs and errors must have the same shape: one list per layer, one "
@@ -193,4 +193,7 @@ def solve(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
     if best is None:
         raise ValueError("no plan meets the error budget (and no reference plan was given)")
     cost, err = total(best)
-    return Plan([int(j) for j in best], cost, err, float(budget))
+    return LevelChoice([int(j) for j in best], cost, err, float(budget))
+
+
+Plan = LevelChoice  # the former name, kept one release

@@ -38,7 +38,7 @@ import torch
 from cgx.comm.base import Transport
 from cgx.compression import wire
 from cgx.compression.quantization import dequantize, quantize
-from cgx.collectives.layout import Block, Piece, Plan
+from cgx.collectives.layout import Block, Piece, FusionLayout
 from cgx.collectives.pipeline import BlockProgram, PhaseTimer
 from cgx.config import ReductionType
 
@@ -236,7 +236,7 @@ def chunks_per_block(algorithm: ReductionType, world_size: int) -> int:
     return 1 if algorithm is ReductionType.ALLGATHER else world_size
 
 
-def programs(algorithm: ReductionType, ctx: ReduceContext, plan: Plan) -> Iterator[BlockProgram]:
+def programs(algorithm: ReductionType, ctx: ReduceContext, plan: FusionLayout) -> Iterator[BlockProgram]:
     if plan.world_size != chunks_per_block(algorithm, ctx.transport.size):
         raise ValueError(f"plan cut for {plan.world_size} chunks cannot run {algorithm.value} "
                          f"over {ctx.transport.size} ranks")

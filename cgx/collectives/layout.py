@@ -60,7 +60,7 @@ class Block:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class FusionLayout:
     blocks: tuple[Block, ...]
     numel: int
     world_size: int
@@ -105,7 +105,7 @@ def _pieces(seg_starts: Sequence[int], segments: Sequence[tuple[int, QuantSpec]]
 
 @functools.lru_cache(maxsize=256)
 def make_plan(segments: tuple[tuple[int, QuantSpec], ...], world_size: int,
-              block_numel: Optional[int] = None) -> Plan:
+              block_numel: Optional[int] = None) -> FusionLayout:
     """Cut ``segments`` ((numel, spec) pairs, in order) into blocks and chunks.
 
     Args:
@@ -135,4 +135,4 @@ def make_plan(segments: tuple[tuple[int, QuantSpec], ...], world_size: int,
         chunks = tuple(_pieces(starts, segments, cb[c], cb[c + 1]) for c in range(world_size))
         slot = max((sum(p.nbytes for p in ch) for ch in chunks), default=0)
         blocks.append(Block(lo, hi, chunks, slot))
-    return Plan(tuple(blocks), total, world_size)
+    return FusionLayout(tuple(blocks), total, world_size)

@@ -207,7 +207,7 @@ class GradientPlan:
 
     def compression_plan(self) -> list[dict]:
         """Per gradient: layer, shape, family, level, bytes, error, share of the error budget
-        (``cgx.adaptive.format_plan`` prints it). Outside AUTO mode: the fixed specs."""
+        (``cgx.adaptive.format_levels`` prints it). Outside AUTO mode: the fixed specs."""
         if self.adaptive is not None:
             return self.adaptive.rows()
         rows = []

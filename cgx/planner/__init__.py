@@ -22,8 +22,9 @@ simulated step time.
 """
 
 from cgx.planner.costs import AlphaBeta, Collective, CostModel, Option, TensorProfile, options_for
-from cgx.planner.simulator import Timeline, simulate
-from cgx.planner.strategy import Plan, format_plan, plan
+from cgx.planner.simulator import SimulatedStep, Timeline, simulate
+from cgx.planner.strategy import ExchangePlan, Plan, format_exchange, format_plan, plan
 
 __all__ = ["AlphaBeta", "Collective", "CostModel", "Option", "TensorProfile", "options_for",
-           "Timeline", "simulate", "Plan", "format_plan", "plan"]
+           "SimulatedStep", "Timeline", "simulate", "ExchangePlan", "Plan", "format_exchange",
+           "format_plan", "plan"]

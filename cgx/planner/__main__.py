@@ -57,7 +57,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from cgx.planner import CostModel, format_plan, plan
+    from cgx.planner import CostModel, format_exchange, plan
     from cgx.planner.calibration import compressor_throughput, contention, trace_backward
 
     torch.manual_seed(0)
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
           f"{args.world} ranks at {args.gbit:g} Gbit/s; quantizer {tp['compress_bps'] / 1e9:.1f} / "
           f"{tp['decompress_bps'] / 1e9:.1f} GB/s (compress / decompress); contention "
           f"{model_cost.contention:g}\n")
-    print(format_plan(result, limit=args.limit))
+    print(format_exchange(result, limit=args.limit))
     return 0
 
 

@@ -38,8 +38,8 @@ import torch
 from cgx.compression.planned import PlannedCompression
 from cgx.config import ReductionType
 from cgx.planner.costs import Collective, CostModel, Option, TensorProfile
-from cgx.planner.simulator import Timeline
-from cgx.planner.strategy import Plan, format_plan, plan
+from cgx.planner.simulator import SimulatedStep
+from cgx.planner.strategy import ExchangePlan, format_exchange, plan
 
 STATE_FORMAT = 1
 _FAMILY = {ReductionType.SRA: "sra", ReductionType.RING: "sra",
@@ -86,7 +86,7 @@ class PlannedSchedule:
         self.fusion_mb = float(fusion_mb)
         self.chosen: Optional[list[bool]] = None  # per tensor: compressed?
         self.cost: Optional[CostModel] = None  # the model of the last plan
-        self.plan: Optional[Plan] = None
+        self.plan: Optional[ExchangePlan] = None
         self.planned_at: Optional[int] = None  # the step of the last plan
         self.checks: list[DriftCheck] = []  # every drift check, in order
         # Tracing runs from this step for calibrate_steps steps (None: from the next step
@@ -229,7 +229,7 @@ class PlannedSchedule:
         return [s if c else None for s, c in zip(self.eligible, self.chosen)]
 
     def replan(self, transport, verbose: bool = False, step: Optional[int] = None,
-               timeline=None) -> Plan:
+               timeline=None) -> ExchangePlan:
         """Every rank at the same point: agree on the profile, measure, plan."""
         from cgx.comm.base import ReduceOp
         from cgx.planner.calibration import (compressor_throughput, contention, link_model,
@@ -297,7 +297,7 @@ class PlannedSchedule:
         self._measured = []
         if verbose:
             print(f"cgx: planned exchange ({sum(self.chosen)} of {n} tensors compressed)\n"
-                  + format_plan(result, limit=20), file=sys.stderr, flush=True)
+                  + format_exchange(result, limit=20), file=sys.stderr, flush=True)
         return result
 
     # -- state --------------------------------------------------------------------------
@@ -390,8 +390,8 @@ def _option_from_list(v: list) -> Option:
                   tuple((n, Collective(k)) for n, k in calls), float(cpu_s))
 
 
-def plan_to_dict(p: Plan) -> dict:
-    """A :class:`Plan` as plain values (checkpoints): the inverse of :func:`plan_from_dict`."""
+def plan_to_dict(p: ExchangePlan) -> dict:
+    """A :class:`ExchangePlan` as plain values (checkpoints): the inverse of :func:`plan_from_dict`."""
     t = p.timeline
     return {"tensors": [[x.name, x.numel, x.ready_s, None if x.shape is None else list(x.shape),
                          x.rows] for x in p.tensors],
@@ -403,16 +403,16 @@ def plan_to_dict(p: Plan) -> dict:
             "decision_s": p.decision_s}
 
 
-def plan_from_dict(d: dict) -> Plan:
+def plan_from_dict(d: dict) -> ExchangePlan:
     step_s, backward_s, tail_s, spans, cpu_s = d["timeline"]
-    return Plan(
+    return ExchangePlan(
         tensors=[TensorProfile(name, int(numel), float(ready),
                                None if shape is None else tuple(shape), rows)
                  for name, numel, ready, shape, rows in d["tensors"]],
         options=[[_option_from_list(o) for o in opts] for opts in d["options"]],
         choice=[int(c) for c in d["choice"]], groups=[list(g) for g in d["groups"]],
         fusion_bytes=float(d["fusion_bytes"]),
-        timeline=Timeline(float(step_s), float(backward_s), float(tail_s),
+        timeline=SimulatedStep(float(step_s), float(backward_s), float(tail_s),
                           tuple(tuple(g) for g in spans), float(cpu_s)),
         model=CostModel.from_dict(d["model"]), backward_s=float(d["backward_s"]),
         tail_s=float(d["tail_s"]), decision_s=float(d["decision_s"]))

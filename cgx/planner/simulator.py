@@ -49,7 +49,7 @@ def group_cost(members: Sequence[int], tensors: Sequence[TensorProfile],
 
 
 @dataclasses.dataclass(frozen=True)
-class Timeline:
+class SimulatedStep:
     """Predicted step: its length, and per group (compress start, comm end, decompress end);
     ``cpu_s``: the exchange's CPU work taken from the compute (0 without contention)."""
 
@@ -85,7 +85,7 @@ def finish(lanes: Lanes, backward_s: float, tail_s: float, cpu_s: float = 0.0) -
 
 def simulate(tensors: Sequence[TensorProfile], choice: Sequence[Option],
              groups: Sequence[Sequence[int]], model: CostModel, backward_s: float,
-             tail_s: float = 0.0) -> Timeline:
+             tail_s: float = 0.0) -> SimulatedStep:
     """The predicted step for ``choice[i]`` per tensor and ``groups`` (lists of tensor indices,
     in the order they are launched)."""
     if len(choice) != len(tensors):
@@ -98,5 +98,8 @@ def simulate(tensors: Sequence[TensorProfile], choice: Sequence[Option],
         lanes, span = advance(lanes, g)
         spans.append(span)
         cpu += g.cpu
-    return Timeline(finish(lanes, backward_s, tail_s, cpu), backward_s, tail_s, tuple(spans),
+    return SimulatedStep(finish(lanes, backward_s, tail_s, cpu), backward_s, tail_s, tuple(spans),
                     cpu)
+
+
+Timeline = SimulatedStep  # the former name, kept one release

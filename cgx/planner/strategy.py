@@ -26,7 +26,7 @@ import time
 from typing import Optional, Sequence
 
 from cgx.planner.costs import DEFAULT_BITS, CostModel, Option, OptionMaker, TensorProfile
-from cgx.planner.simulator import GroupCost, Lanes, Timeline, advance, simulate
+from cgx.planner.simulator import GroupCost, Lanes, SimulatedStep, advance, simulate
 
 DEFAULT_FUSION_MB = (4.0, 16.0, 64.0)
 
@@ -107,7 +107,7 @@ class _Group:
 
 
 @dataclasses.dataclass
-class Plan:
+class ExchangePlan:
     """The planner's decision: an option per tensor, the fusion groups, the predicted step."""
 
     tensors: list[TensorProfile]
@@ -115,7 +115,7 @@ class Plan:
     choice: list[int]  # per tensor, the index of its option in ``options``
     groups: list[list[int]]
     fusion_bytes: float
-    timeline: Timeline
+    timeline: SimulatedStep
     model: CostModel
     backward_s: float
     tail_s: float
@@ -301,7 +301,7 @@ class _Sweeper:
 def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, *,
          tail_s: float = 0.0, fusion_mb: Sequence[float] = DEFAULT_FUSION_MB,
          bits: Sequence[int] = DEFAULT_BITS, families: Optional[Sequence[str]] = None,
-         exact_only: Optional[Sequence[bool]] = None) -> Plan:
+         exact_only: Optional[Sequence[bool]] = None) -> ExchangePlan:
     """Choose every tensor's option and the fusion threshold with the shortest predicted step.
 
     Args:
@@ -352,11 +352,11 @@ def plan(tensors: Sequence[TensorProfile], model: CostModel, backward_s: float, 
     choice = sweeper.choice
     chosen = [opts[c] for opts, c in zip(options, choice)]
     timeline = simulate(tensors, chosen, groups, model, backward_s, tail_s)
-    return Plan(tensors, options, choice, groups, fusion_bytes, timeline, model, backward_s,
+    return ExchangePlan(tensors, options, choice, groups, fusion_bytes, timeline, model, backward_s,
                 tail_s, time.perf_counter() - t0)
 
 
-def format_plan(p: Plan, limit: Optional[int] = None) -> str:
+def format_exchange(p: ExchangePlan, limit: Optional[int] = None) -> str:
     """A markdown table: per tensor, the chosen option, its bytes, and the predicted step time
     of each alternative (the rest of the plan fixed)."""
     lines = [f"Predicted step {1e3 * p.step_s:.1f} ms (backward {1e3 * p.backward_s:.1f} ms, "
@@ -376,3 +376,5 @@ def format_plan(p: Plan, limit: Optional[int] = None) -> str:
     return "\n".join(lines)
 
 
+# The former names, kept one release.
+Plan, format_plan = ExchangePlan, format_exchange

@@ -109,7 +109,7 @@ class CGXState:
 
     def compression_plan(self) -> list:
         """Per parameter: layer, shape, family, level, bytes, error and share of the error
-        budget (``compression="auto"``: see ``cgx.adaptive.format_plan``; else the fixed
+        budget (``compression="auto"``: see ``cgx.adaptive.format_levels``; else the fixed
         per-layer specs)."""
         return self._plan.compression_plan()
 

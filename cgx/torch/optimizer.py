@@ -573,14 +573,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Example::
 
-            from cgx.adaptive import format_plan
-            print(format_plan(opt.compression_plan()))
+            from cgx.adaptive import format_levels
+            print(format_levels(opt.compression_plan()))
         """
         return self._plan.compression_plan()
 
     def exchange_plan(self):
         """The planner's decision with ``compression=Compression.planned(...)``: a
-        :class:`cgx.planner.Plan` (``cgx.planner.format_plan`` prints it per tensor), or
+        :class:`cgx.planner.ExchangePlan` (``cgx.planner.format_exchange`` prints it per tensor), or
         None while the first steps are traced (and in other modes)."""
         return self._plan.planned.plan if self._plan.planned is not None else None
 

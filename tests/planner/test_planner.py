@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from cgx.planner import (AlphaBeta, Collective, CostModel, Option, TensorProfile, format_plan,
+from cgx.planner import (AlphaBeta, Collective, CostModel, Option, TensorProfile, format_exchange,
                          options_for, plan, simulate)
 from cgx.planner.calibration import contention
 from cgx.planner.simulator import advance, group_cost
@@ -204,7 +204,7 @@ def test_fusion_boundaries_and_the_table():
     p = plan(ts, _model(gbit=1.0), backward_s=0.1, fusion_mb=(1.0, 4.0))
     assert p.fusion_bytes in (1e6, 4e6)
     assert sorted(i for g in p.groups for i in g) == list(range(10))
-    table = format_plan(p, limit=3)
+    table = format_exchange(p, limit=3)
     assert table.count("\n| l") == 3 and "(7 smaller tensors)" in table
     for i in range(10):
         alts = dict(p.alternatives(i))

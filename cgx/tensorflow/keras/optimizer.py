@@ -270,7 +270,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def compression_plan(self) -> list[dict]:
         """Per variable: layer, shape, family, level, bytes, error and share of the error
-        budget of the current plan (``compression="auto"``; see ``cgx.adaptive.format_plan``)."""
+        budget of the current plan (``compression="auto"``; see ``cgx.adaptive.format_levels``)."""
         return self._exchange.compression_plan()
 
     def replan(self) -> None:
