@@ -453,6 +453,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if not zeros and self._params[i].is_cuda:
                 event = torch.cuda.Event()  # the factors come from the backward stream
                 event.record()
+            self.timing.setdefault("factors_launch", []).append(time.perf_counter())
             self._handles.append(session.submit(self._exchange_factors, i, zeros, event,
                                                 label=f"opt{self._registry_id}.factors{i}"))
             return
