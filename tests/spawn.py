@@ -4,10 +4,16 @@
 a Gloo process group on 127.0.0.1 with a free port, calls
 ``fn(rank, world, *args)`` and returns the list of per-rank return values
 (anything ``torch.save`` can store). A hang fails after ``timeout`` seconds.
+
+Ranks are forked from a server process that has imported torch once (start method
+"forkserver"): a launch costs about 0.1 s instead of the 2-3 s of importing torch
+in fresh interpreters. Each rank takes the caller's environment and working
+directory as they are at the call (the server's are those of its start).
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -16,6 +22,9 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+# Imported once by the server the ranks are forked from (it starts at the first launch).
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -23,9 +32,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, outdir, fn, args):
+def _entry(rank, world, port, outdir, caller, fn, args):
     import torch.distributed as dist
 
+    env, cwd = caller
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -51,8 +64,9 @@ def _entry(rank, world, port, outdir, fn, args):
 def run_gloo(fn, world: int, *args, timeout: float = 180.0) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` Gloo ranks; return their results."""
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_entry, args=(world, free_port(), outdir, fn, args),
-                                 nprocs=world, join=False, start_method="spawn")
+        caller = (dict(os.environ), os.getcwd())
+        ctx = mp.start_processes(_entry, args=(world, free_port(), outdir, caller, fn, args),
+                                 nprocs=world, join=False, start_method="forkserver")
         try:
             import time
             deadline = time.monotonic() + timeout
