@@ -27,6 +27,7 @@ turns it off), with per-layer rules from ``rules=`` or
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import time
@@ -42,8 +43,9 @@ from cgx.comm.consistency import Signature, signature
 from cgx.compression import Compression, as_compressor
 from cgx.errors import CGXError
 from cgx.adaptive.compensation import update_rule_of
-from cgx.exchange import (FIRST_BUCKET_BYTES, ExchangeOptions, GradientPlan,  # noqa: F401
-                          GradMode, check_wrapped_once, ready_order_buckets)  # GradMode: API
+from cgx.exchange import (ExchangeOptions, GradientPlan, GradMode,  # noqa: F401 - GradMode: API
+                          check_wrapped_once)
+from cgx.exchange.buckets import compose_buckets
 from cgx import session
 from cgx.collectives import joining
 from cgx.ops import Average, answer_joined, group_size, resolve_process_set
@@ -59,6 +61,25 @@ _registry_ids = iter(range(1, 1 << 62))
 # handle). A parameter reports its gradient to one DistributedOptimizer: a new one over the
 # same model (a notebook re-run, a new learning rate) takes it over and removes the old hook.
 _owners: dict = {}
+
+
+@dataclasses.dataclass
+class StepState:
+    """What one step of a DistributedOptimizer has seen and started; rebuilt at each step
+    (and with the buckets)."""
+
+    counts: list  # backward passes seen, per parameter
+    ready: list  # parameters ready, per bucket
+    next: int = 0  # the next bucket to launch (buckets launch in order)
+    handles: list = dataclasses.field(default_factory=list)  # the engine's, in launch order
+    sparse_out: dict = dataclasses.field(default_factory=dict)  # sparse results, by index
+    # sparse_as_dense: index -> sparse dims of a sparse gradient reduced densely this step;
+    # it is handed back sparse, the layout its optimizer (SparseAdam) expects.
+    densified: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def fresh(cls, params: int, buckets: int) -> "StepState":
+        return cls([0] * params, [0] * buckets)
 
 
 def _grad_hook(opt_ref, generation: int, p: torch.Tensor) -> None:
@@ -133,7 +154,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         torch.optim.Optimizer.__setstate__(self, {"defaults": optimizer.defaults,
                                                   "state": optimizer.state,
                                                   "param_groups": optimizer.param_groups})
-        self._bpps = opts.backward_passes_per_step
+        self._passes_per_step = opts.backward_passes_per_step
         self._op = opts.op
         self._predivide = opts.predivide
         self._num_groups = opts.num_groups
@@ -146,7 +167,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                                              torch.nn.Module):
             raise TypeError(f"sufficient_factors= takes the model (a torch.nn.Module), got "
                             f"{type(sufficient_factors).__name__}")
-        self._sfb_model = sufficient_factors
+        self._factor_model = sufficient_factors
         self._step_count = 0  # part of the state: feeds the stochastic-rounding key
         self._registry_id = next(_registry_ids)
         self._setup()
@@ -220,39 +241,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Parameters whose gradients came sparse (sparse_as_dense=False): they travel as
         # Horovod's sparse allreduce; a joined rank sends empty ones for them.
         self._sparse_ids = getattr(self, "_sparse_ids", set())
-        # The plan maps `compression` to a mode, per-layer specs and residuals
-        # (shared with the TensorFlow adapter); its state survives a rebuild.
-        old_plan = getattr(self, "_plan", None)
-        self._plan = GradientPlan([self._names[id(p)] for p in params],
-                                  [tuple(p.shape) for p in params], self._compression,
-                                  op=self._op, predivide=self._predivide,
-                                  rules=self._rules_source, config=cfg,
-                                  group=getattr(self, "_group", None),
-                                  update_rule=update_rule_of(self._optimizer))
-        if old_plan is not None:
-            self._plan.load_state_dict(old_plan.state_dict())
-        # Sufficient factors: hooks on the model's Linear layers; their weights leave the
-        # buckets and travel at synchronize() (as factors, or plainly when not worth it).
-        if getattr(self, "_capture", None) is not None:
-            self._capture.remove()
-            self._capture_release.detach()
-        self._capture = None
-        self._sfb_index: list = []
-        if self._sfb_model is not None:
-            from cgx.torch.factor_capture import FactorCapture
-            self._capture = FactorCapture(self._sfb_model, {id(p) for p in params})
-            # Without this optimizer, the hooks would go on recording for nobody.
-            self._capture_release = weakref.finalize(self, self._capture.remove)
-            self._sfb_index = [i for i, p in enumerate(params) if id(p) in
-                               self._capture.captures]
-        # A factor layer's trainable bias travels with its weight: rebuilt from the
-        # gathered output gradients when the factors go, reduced beside it otherwise.
-        self._sfb_bias: dict = {}  # weight index -> bias index
-        for i in self._sfb_index:
-            bias = self._capture.captures[id(params[i])].module.bias
-            if bias is not None and id(bias) in self._index:
-                self._sfb_bias[i] = self._index[id(bias)]
-        self._sfb_set = frozenset(self._sfb_index)
+        self._plan = self._make_plan(params, cfg)
+        self._capture_factors(params)
+        self._factor_set = frozenset(self._factor_index)
         self.sfb_used: dict = {}  # last step: weight name -> travelled as factors
         self._buckets = self._make_buckets(params, cfg.fusion_buffer_bytes)
         self._bucket_of = {}
@@ -262,18 +253,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not hasattr(self, "_lock"):
             self._lock = threading.RLock()
         self._reset_step_state()
-        self._generation = getattr(self, "_generation", 0) + 1
-        self._remove_hooks()
-        ref = weakref.ref(self)
-        self._hooks = []
-        for p in params:
-            old = _owners.get(id(p))
-            if old is not None and old[0]() is p and old[1] != self._registry_id:
-                old[2].remove()  # another DistributedOptimizer had this parameter
-            h = p.register_post_accumulate_grad_hook(
-                functools.partial(_grad_hook, ref, self._generation))
-            _owners[id(p)] = (weakref.ref(p), self._registry_id, h)
-            self._hooks.append(h)
+        self._install_hooks(params)
         self._should_sync = True
         self._synchronized = False
         self._auto_synced = False
@@ -283,6 +263,58 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._timeline = session.reducer().timeline
         self._digest = self._signature.digest()
         _registry[self._registry_id] = self
+
+    def _make_plan(self, params: list, cfg) -> GradientPlan:
+        """The exchange of ``params``: `compression` mapped to a mode, per-layer specs and
+        residuals (``cgx.exchange``); the previous plan's state carries over."""
+        old_plan = getattr(self, "_plan", None)
+        plan = GradientPlan([self._names[id(p)] for p in params],
+                            [tuple(p.shape) for p in params], self._compression,
+                            op=self._op, predivide=self._predivide, rules=self._rules_source,
+                            config=cfg, group=getattr(self, "_group", None),
+                            update_rule=update_rule_of(self._optimizer))
+        if old_plan is not None:
+            plan.load_state_dict(old_plan.state_dict())
+        return plan
+
+    def _capture_factors(self, params: list) -> None:
+        """Sufficient factors: hooks on the model's Linear layers (``_factor_index``: their
+        weights, ``_factor_bias``: weight index -> bias index). Their weights travel in
+        buckets of their own, as factors or plainly when that is not worth it."""
+        if getattr(self, "_capture", None) is not None:
+            self._capture.remove()
+            self._capture_release.detach()
+        self._capture = None
+        self._factor_index: list = []
+        if self._factor_model is not None:
+            from cgx.torch.factor_capture import FactorCapture
+            self._capture = FactorCapture(self._factor_model, {id(p) for p in params})
+            # Without this optimizer, the hooks would go on recording for nobody.
+            self._capture_release = weakref.finalize(self, self._capture.remove)
+            self._factor_index = [i for i, p in enumerate(params)
+                                  if id(p) in self._capture.captures]
+        # A factor layer's trainable bias travels with its weight: rebuilt from the
+        # gathered output gradients when the factors go, reduced beside it otherwise.
+        self._factor_bias: dict = {}  # weight index -> bias index
+        for i in self._factor_index:
+            bias = self._capture.captures[id(params[i])].module.bias
+            if bias is not None and id(bias) in self._index:
+                self._factor_bias[i] = self._index[id(bias)]
+
+    def _install_hooks(self, params: list) -> None:
+        """One post-accumulate-grad hook per parameter, of this layout's generation; a
+        parameter another DistributedOptimizer had is taken over."""
+        self._generation = getattr(self, "_generation", 0) + 1
+        self._remove_hooks()
+        ref = weakref.ref(self)
+        for p in params:
+            old = _owners.get(id(p))
+            if old is not None and old[0]() is p and old[1] != self._registry_id:
+                old[2].remove()  # another DistributedOptimizer had this parameter
+            h = p.register_post_accumulate_grad_hook(
+                functools.partial(_grad_hook, ref, self._generation))
+            _owners[id(p)] = (weakref.ref(p), self._registry_id, h)
+            self._hooks.append(h)
 
     def _remove_hooks(self) -> None:
         for h in getattr(self, "_hooks", ()):
@@ -297,8 +329,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                          dtypes=[p.dtype for p in self._params], buckets=self._buckets,
                          compression=self._compression, mode=plan.mode.value,
                          specs=plan.specs, op=self._op, predivide=self._predivide,
-                         backward_passes_per_step=self._bpps,
-                         sufficient_factors=[plan.names[i] for i in self._sfb_index])
+                         backward_passes_per_step=self._passes_per_step,
+                         sufficient_factors=[plan.names[i] for i in self._factor_index])
 
     def _trainable_changed(self) -> bool:
         """Did parameters get frozen or unfrozen since the buckets were built?"""
@@ -313,7 +345,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``GradScaler.unscale_``/``GradScaler.step`` do) first finishes the
         exchange, so nobody reads a gradient in flight.
         """
-        if self.__dict__.get("_handles") and threading.current_thread().name != "cgx-engine":
+        pending = self.__dict__.get("_pending")
+        if pending is not None and pending.handles and \
+                threading.current_thread().name != "cgx-engine":
             self.synchronize()
             self._auto_synced = True
         return self._groups()
@@ -342,60 +376,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             inner.state = value
 
     def _make_buckets(self, params, cap_bytes) -> list[list[int]]:
-        """Fusion buckets in launch order; a sufficient-factor weight is a bucket of its
-        own, placed where backward produces it, so its exchange starts beside backward."""
-        sfb = set(getattr(self, "_sfb_index", ()))
-        biases = getattr(self, "_sfb_bias", {})
-        # weight index -> its bucket: the weight, and its bias when that travels with it
-        alone = {i: [i] + ([biases[i]] if i in biases else []) for i in sorted(sfb, reverse=True)}
-        own = sfb | set(biases.values())  # travel in the factor layers' own buckets
+        """Fusion buckets in launch order (``cgx.exchange.buckets.compose_buckets``)."""
+        groups = None
         if self._user_groups is not None:
-            order = [[self._index[id(p)] for p in g if id(p) in self._index and
-                      self._index[id(p)] not in own] for g in self._user_groups]
-            grouped = {i for g in order for i in g}
-            rest = [i for i in range(len(params)) if i not in grouped and i not in own]
-            return [g for g in order if g] + ([rest] if rest else []) + list(alone.values())
-        rev = [i for i in range(len(params))[::-1] if i not in own]
-        if self._num_groups:
-            n = min(self._num_groups, len(rev)) or 1
-            groups = [rev[k * len(rev) // n:(k + 1) * len(rev) // n] for k in range(n)]
-            # Each factor bucket goes before the first group holding a parameter that
-            # backward reaches after it, so it does not wait for those.
-            for one in alone.values():
-                at = next((k for k, g in enumerate(groups) if g and min(g) < one[0]),
-                          len(groups))
-                groups.insert(at, one)
-            return [g for g in groups if g]
-        # Ready order, cut at each factor weight: the runs between them are fused as usual.
-        buckets: list[list[int]] = []
-        run: list[int] = []
-
-        def flush() -> None:
-            if run:
-                kept = run[::-1]  # parameter order
-                first = FIRST_BUCKET_BYTES if not buckets else cap_bytes
-                buckets.extend([kept[j] for j in b] for b in ready_order_buckets(
-                    [params[i].numel() * 4 for i in kept], cap_bytes, first))
-                run.clear()
-
-        for i in range(len(params) - 1, -1, -1):
-            if i in sfb:
-                flush()
-                buckets.append(alone[i])
-            elif i not in own:
-                run.append(i)
-        flush()
-        return buckets
+            groups = [[self._index[id(p)] for p in g if id(p) in self._index]
+                      for g in self._user_groups]
+        return compose_buckets([p.numel() * 4 for p in params], cap_bytes, user_groups=groups,
+                               num_groups=self._num_groups, factor_weights=self._factor_index,
+                               factor_biases=self._factor_bias)
 
     def _reset_step_state(self) -> None:
-        self._sparse_out: dict = {}  # sparse gradients reduced this step, by index
-        # sparse_as_dense: index -> sparse dims of a sparse gradient reduced densely this
-        # step; it is handed back sparse, the layout its optimizer (SparseAdam) expects.
-        self._densified: dict = {}
-        self._counts = [0] * len(self._params)
-        self._ready = [0] * len(self._buckets)
-        self._next = 0
-        self._handles: list = []
+        self._pending = StepState.fresh(len(self._params), len(self._buckets))
 
     # -- backward hooks ------------------------------------------------------------
 
@@ -405,7 +396,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if generation != self._generation or owner is None or \
                     owner[1] != self._registry_id:
                 return  # a hook of an older layout, or another optimizer owns p now
-            if self._next == 0 and not self._handles and not any(self._counts):
+            step = self._pending
+            if step.next == 0 and not step.handles and not any(step.counts):
                 # The first gradient of a step: a new step begins.
                 self._synchronized = self._auto_synced = False
                 if self._trainable_changed():
@@ -415,13 +407,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             i = self._index.get(id(p))
             if i is None or i not in self._bucket_of:
                 return  # not ours
-            c = self._counts[i] + 1
-            if c > self._bpps:
+            c = self._pending.counts[i] + 1
+            if c > self._passes_per_step:
                 raise CGXError(f"gradients of '{self._names[id(p)]}' were computed more than "
-                               f"backward_passes_per_step={self._bpps} times before step(); raise "
-                               "backward_passes_per_step to accumulate gradients locally")
-            self._counts[i] = c
-            if c == self._bpps:
+                               f"backward_passes_per_step={self._passes_per_step} times before "
+                               "step(); raise backward_passes_per_step to accumulate gradients "
+                               "locally")
+            self._pending.counts[i] = c
+            if c == self._passes_per_step:
                 planned = self._plan.planned
                 if planned is not None:  # ready times: the plan's input, then drift checks
                     planned.note_ready(i, self._step_count)
@@ -429,14 +422,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if self._timeline.enabled:
                     self._timeline.instant(f"ready {self._names[id(p)]}",
                                            row=f"opt{self._registry_id}.bucket{b}")
-                self._ready[b] += 1
+                self._pending.ready[b] += 1
                 self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next < len(self._buckets) and \
-                self._ready[self._next] == len(self._buckets[self._next]):
-            self._launch(self._next)
-            self._next += 1
+        step = self._pending
+        while step.next < len(self._buckets) and \
+                step.ready[step.next] == len(self._buckets[step.next]):
+            self._launch(step.next)
+            step.next += 1
 
     def _launch(self, b: int, zeros: bool = False, status: bool = True) -> None:
         if b == 0:
@@ -444,17 +438,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.sfb_used = {}  # this step's: weight name -> travelled as factors
             if status and group_size(self._group) > 1:
                 # One tiny collective per step lets ranks that called join() follow.
-                self._handles.append(session.submit(_status_exchange, self._registry_id,
+                self._pending.handles.append(session.submit(_status_exchange, self._registry_id,
                                                     self._signature, self._group,
                                                     label="step-status"))
-        if self._buckets[b][0] in self._sfb_set:
+        if self._buckets[b][0] in self._factor_set:
             i = self._buckets[b][0]
             event = None
             if not zeros and self._params[i].is_cuda:
                 event = torch.cuda.Event()  # the factors come from the backward stream
                 event.record()
             self.timing.setdefault("factors_launch", []).append(time.perf_counter())
-            self._handles.append(session.submit(self._exchange_factors, i, zeros, event,
+            self._pending.handles.append(session.submit(self._exchange_factors, i, zeros, event,
                                                 label=f"opt{self._registry_id}.factors{i}"))
             return
         grads, dense_idx = [], []
@@ -469,7 +463,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 g = p.grad if not zeros else torch.sparse_coo_tensor(
                     torch.zeros((p.dim(), 0), dtype=torch.int64), torch.zeros((0,) + tuple(
                         p.shape[1:]), dtype=p.dtype), p.shape).to(p.device)
-                self._handles.append(session.submit(self._reduce_sparse, i, g, zeros,
+                self._pending.handles.append(session.submit(self._reduce_sparse, i, g, zeros,
                                                     label=f"opt{self._registry_id}.sparse{i}"))
                 continue
             if zeros or p.grad is None:
@@ -478,7 +472,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = g
             else:
                 if p.grad.is_sparse:
-                    self._densified[i] = p.grad.sparse_dim()
+                    self._pending.densified[i] = p.grad.sparse_dim()
                     p.grad = p.grad.to_dense()
                 g = p.grad
             grads.append(g)
@@ -491,7 +485,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             event = torch.cuda.Event()
             event.record()
         self.timing["launch"].append(time.perf_counter())
-        self._handles.append(session.submit(self._reduce_bucket, b, grads, event, zeros,
+        self._pending.handles.append(session.submit(self._reduce_bucket, b, grads, event, zeros,
                                             dense_idx,
                                             label=f"opt{self._registry_id}.bucket{b}"))
 
@@ -515,7 +509,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         name = f"opt{self._registry_id}.sparse.{self._names[id(self._params[i])]}"
         out = sparse_reduce(grad, self._op, name, self._group)
         if not shadow:
-            self._sparse_out[i] = out
+            self._pending.sparse_out[i] = out
 
     def _exchange_factors(self, i: int, shadow: bool, event) -> None:
         """Engine thread: one linear layer's weight (and bias) gradient, as factors or
@@ -524,7 +518,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.timing.setdefault("factors", []).append(time.perf_counter())
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
-        idx = [i] + ([self._sfb_bias[i]] if i in self._sfb_bias else [])
+        idx = [i] + ([self._factor_bias[i]] if i in self._factor_bias else [])
         params = [self._params[j] for j in idx]
         if shadow:
             grads = [torch.zeros_like(p) for p in params]
@@ -546,9 +540,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         planned = self._plan.planned  # the planned exchange weighs factors against the rest
         choose = planned.prefer_factors if planned is not None else None
         cap = self._capture.captures[id(params[0])]
-        used = exchange_layer(cap, params[0], red.transport, self._bpps, self._op is Average,
-                              plain, record=red.add_stats, choose=choose, shadow=shadow,
-                              bias=params[1] if len(params) > 1 else None)
+        used = exchange_layer(cap, params[0], red.transport, self._passes_per_step,
+                              self._op is Average, plain, record=red.add_stats, choose=choose,
+                              shadow=shadow, bias=params[1] if len(params) > 1 else None)
         if not shadow:
             self.sfb_used[cap.name] = used
             if planned is not None:
@@ -597,20 +591,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Call it before gradient clipping, then step inside ``skip_synchronize()``.
         """
         with self._lock:
-            if self._next == 0 and not self._handles and self._trainable_changed():
+            if self._pending.next == 0 and not self._pending.handles and self._trainable_changed():
                 self._setup()  # frozen/unfrozen since the last step, and no hook has fired
-            while self._next < len(self._buckets):
-                self._launch(self._next)
-                self._next += 1
-            handles = self._handles
-            self._handles = []
+            while self._pending.next < len(self._buckets):
+                self._launch(self._pending.next)
+                self._pending.next += 1
+            handles = self._pending.handles
+            self._pending.handles = []
         t0 = time.perf_counter()
         try:
             for h in handles:
                 h.wait(session.wait_timeout())
-            for i, g in self._sparse_out.items():
+            for i, g in self._pending.sparse_out.items():
                 self._params[i].grad = g
-            for i, dims in self._densified.items():
+            for i, dims in self._pending.densified.items():
                 self._params[i].grad = self._params[i].grad.to_sparse(dims)
         finally:
             self._reset_step_state()
@@ -650,7 +644,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles:
+        if self._pending.handles:
             raise CGXError("optimizer.zero_grad() was called after loss.backward() but before "
                            "optimizer.step() or optimizer.synchronize(); the gradients are "
                            "still being reduced. Call zero_grad() before backward() or after "
@@ -690,8 +684,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- pickling: runtime objects (hooks, locks, handles) are rebuilt ----------------
 
     def __getstate__(self) -> dict:
-        keep = ("_optimizer", "_bpps", "_op", "_predivide", "_num_groups", "_sparse_as_dense",
-                "_user_groups", "_compression", "_rules_source", "_step_count")
+        keep = ("_optimizer", "_passes_per_step", "_op", "_predivide", "_num_groups",
+                "_sparse_as_dense", "_user_groups", "_compression", "_rules_source", "_step_count")
         state = {k: self.__dict__[k] for k in keep if k in self.__dict__}
         state["_plan_state"] = self._plan.state_dict()
         params = [p for g in self._optimizer.param_groups for p in g["params"]]
@@ -702,6 +696,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:
         opt = state["_optimizer"]
+        if "_bpps" in state:  # pickled by an earlier version
+            state["_passes_per_step"] = state.pop("_bpps")
         torch.optim.Optimizer.__setstate__(self, {"defaults": opt.defaults, "state": opt.state,
                                                   "param_groups": opt.param_groups})
         self.__dict__.update(state)
@@ -713,7 +709,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._registry_id = next(_registry_ids)
         self._group = None  # a process set is not pickled: the copy reduces over all ranks
         # The model is not pickled with the optimizer: sufficient factors start off.
-        self._sfb_model = None
+        self._factor_model = None
         plan_state = self.__dict__.pop("_plan_state")
         if runtime.is_initialized():
             self._setup()
@@ -732,7 +728,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for b in range(len(self._buckets)):
                 # join_world() already did this step's status exchange.
                 self._launch(b, zeros=True, status=False)
-            handles, self._handles = self._handles, []
+            handles, self._pending.handles = self._pending.handles, []
         for h in handles:
             h.wait(session.wait_timeout())
         self._reset_step_state()

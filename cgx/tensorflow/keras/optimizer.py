@@ -128,7 +128,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._sparse_as_dense = opts.sparse_as_dense
         self._predivide = opts.predivide
         self._op = opts.op
-        self._bpps = opts.backward_passes_per_step
+        self._passes_per_step = opts.backward_passes_per_step
         self._average_aggregated = average_aggregated_gradients
         # Plain copies: Keras's attribute tracking wraps containers assigned to it.
         self._rules = _plain(rules)
@@ -192,7 +192,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         super().build(var_list)
-        if self._bpps > 1:
+        if self._passes_per_step > 1:
             self._accumulators = [self.add_variable_from_reference(v, name="cgx_accumulator")
                                   for v in var_list]
             self._pending = self.add_variable(shape=(), dtype="int", name="cgx_pending_passes")
@@ -217,7 +217,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if len(grads) != len(trainable_variables):
             raise ValueError(f"got {len(grads)} gradients for {len(trainable_variables)} "
                              "variables")
-        if self._bpps == 1:
+        if self._passes_per_step == 1:
             self.inner_optimizer.apply(self._reduce(grads, trainable_variables),
                                        trainable_variables)
         else:
@@ -245,7 +245,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             if g is not None:
                 acc.assign_add(tf.cast(tf.convert_to_tensor(g), acc.dtype))
         self._pending.assign_add(1)
-        scale = 1.0 / self._bpps if self._average_aggregated else 1.0
+        scale = 1.0 / self._passes_per_step if self._average_aggregated else 1.0
 
         def exchange_and_apply():
             agg = [tf.convert_to_tensor(a) * tf.cast(scale, a.dtype) if p else None
@@ -262,11 +262,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self.inner_optimizer._iterations.assign_add(1)
 
         # The same branch on every rank: the counter advances identically everywhere.
-        tf.cond(tf.convert_to_tensor(self._pending) >= self._bpps, exchange_and_apply,
+        tf.cond(tf.convert_to_tensor(self._pending) >= self._passes_per_step, exchange_and_apply,
                 count_only)
 
     def _dense_sparse(self) -> bool:
-        return self._sparse_as_dense or self._bpps > 1
+        return self._sparse_as_dense or self._passes_per_step > 1
 
     def compression_plan(self) -> list[dict]:
         """Per variable: layer, shape, family, level, bytes, error and share of the error
@@ -305,7 +305,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "sparse_as_dense": self._sparse_as_dense,
             "gradient_predivide_factor": self._predivide,
             "op": self._op.value,
-            "backward_passes_per_step": self._bpps,
+            "backward_passes_per_step": self._passes_per_step,
             "average_aggregated_gradients": self._average_aggregated,
             "rules": self._rules if isinstance(self._rules, (str, type(None))) else
             _plain(self._rules),
@@ -329,7 +329,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self.inner_optimizer).__name__}, "
                 f"compression={self._compression!r}, op={self._op.value}, "
-                f"backward_passes_per_step={self._bpps})")
+                f"backward_passes_per_step={self._passes_per_step})")
 
 
 def _plain(rules):
