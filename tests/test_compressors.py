@@ -487,3 +487,26 @@ def test_quantize_non_finite_bucket_decodes_to_nan(bad):
     y = comp.decompress(*comp.compress(x))
     assert y[64:128].isnan().all()
     assert torch.isfinite(y[:64]).all() and torch.isfinite(y[128:]).all()
+
+
+def test_auto_and_planned_are_policies_not_compressors():
+    """They decide per tensor inside the gradient exchange: resolve() takes them, a single
+    collective (as_compressor) refuses them with what to pass instead."""
+    from cgx.compression import (AutoCompression, PlannedCompression, Policy, as_compressor,
+                                 resolve)
+    for policy in (Compression.auto(), Compression.planned()):
+        assert isinstance(policy, Policy) and not isinstance(policy, Compressor)
+        assert resolve(policy) is policy
+        with pytest.raises(ValueError, match="takes a fixed compressor"):
+            as_compressor(policy)
+        with pytest.raises(ValueError, match="takes a fixed compressor"):
+            ErrorFeedback(policy)
+        # What these settings wrote when they were compressors still loads.
+        policy.load_state_dict({"format": 1, "kind": "quantize"})
+        policy.load_state_dict(policy.state_dict())
+        with pytest.raises(ValueError):
+            policy.load_state_dict({"format": 1, "kind": "topk"})
+    assert isinstance(resolve(" AUTO "), AutoCompression)
+    assert not isinstance(resolve(Compression.fp16), (AutoCompression, PlannedCompression))
+    with pytest.raises(ValueError, match="takes a fixed compressor"):
+        as_compressor("auto")

@@ -38,11 +38,7 @@ LAYERS = (
 
 # Known departures, to remove as the code moves (docs/architecture.md lists them too).
 # A new cycle or upward edge fails; so does an entry here that no longer exists.
-KNOWN_CYCLES = (
-    # as_compressor() resolves "auto" to AutoCompression, a Compressor subclass that
-    # itself builds top-k: auto and planned are to become policies beside compressors.
-    ("cgx.compression.auto", "cgx.compression.base", "cgx.compression.topk"),
-)
+KNOWN_CYCLES: tuple = ()
 KNOWN_UPWARD: dict = {}
 
 

@@ -37,7 +37,7 @@ import torch
 
 from cgx.comm.base import Transport
 from cgx.compression import wire
-from cgx.compression.quantization import dequantize, quantize
+from cgx.quant.codec import dequantize, quantize
 from cgx.collectives.layout import Block, Piece, FusionLayout
 from cgx.collectives.pipeline import BlockProgram, PhaseTimer
 from cgx.config import ReductionType
@@ -53,7 +53,7 @@ class ReduceContext:
         scale: factor applied to the reduced sum (1/W for average, times postscale).
         seed, step, buffer_id: stochastic-rounding key parts (same on every rank).
         timer: where phase times are summed.
-        backend: quantization backend (see ``cgx.compression.quantization.Backend``).
+        backend: quantization backend (see ``cgx.quant.codec.Backend``).
         residuals: optional error-feedback memory, one float32 tensor per entry of
             ``tensors`` (same numel), always in input units (this rank's values as
             given): for the chunks it quantizes for peers, what that quantization

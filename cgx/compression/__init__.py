@@ -27,6 +27,7 @@ from cgx.compression.base import (Compressor, CompressorKind, HorovodCompressor,
                                   stable_tensor_id)
 from cgx.compression.auto import AutoCompression
 from cgx.compression.planned import PlannedCompression
+from cgx.compression.policy import Policy, is_policy_name
 from cgx.compression.casts import (BF16Compressor, ExactCompressor, FP16Compressor,
                                   NoneCompressor)
 from cgx.compression.error_feedback import ErrorFeedback
@@ -139,8 +140,20 @@ class Compression:
                                   orthogonalization_epsilon=orthogonalization_epsilon, seed=seed)
 
 
+def resolve(compression) -> "Compressor | Policy":
+    """A ``compression=`` argument of the optimizers, the tape and the DDP hook: a
+    compressor (as :func:`as_compressor` makes it) or a policy (``"auto"``,
+    ``Compression.auto(...)``, ``Compression.planned(...)``)."""
+    if isinstance(compression, Policy):
+        return compression
+    if is_policy_name(compression):
+        return AutoCompression()
+    return as_compressor(compression)
+
+
 __all__ = [
     "Compression", "Compressor", "CompressorKind", "HorovodCompressor", "as_compressor",
+    "resolve", "Policy",
     "stable_tensor_id", "NoneCompressor", "ExactCompressor", "FP16Compressor", "BF16Compressor",
     "QuantizeCompressor", "TopKCompressor", "PowerSGDCompressor", "ErrorFeedback",
     "AutoCompression", "PlannedCompression",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from cgx.compression.base import Compressor, CompressorKind
+from cgx.compression.policy import Policy
 from cgx.config import Rounding
 
 FAMILIES = ("quantize", "topk", "powersgd")  # families cgx.adaptive chooses from
@@ -31,7 +31,7 @@ def _check_families(families) -> tuple:
     return tuple(str(f).lower() for f in fams)
 
 
-class AutoCompression(Compressor):
+class AutoCompression(Policy):
     """Per-layer levels chosen within an error budget (L-GreCo); see :mod:`cgx.adaptive`.
 
     Args:
@@ -65,8 +65,7 @@ class AutoCompression(Compressor):
             :mod:`cgx.adaptive.compensation`).
     """
 
-    kind = CompressorKind.QUANTIZE
-    summable = False
+    name = "auto"
 
     def __init__(self, alpha: float = 1.0, families: Sequence[str] = FAMILIES,
                  window: int = 10, adjust_every: int = 1000, warmup_steps: int = 0,
@@ -96,8 +95,8 @@ class AutoCompression(Compressor):
                              for b in bucket_sizes)
         if not bucket_sizes:
             raise ValueError("bucket_sizes is empty; e.g. (512, 1024)")
-        from cgx.compression.topk import _check_density
-        densities = tuple(_check_density(d) for d in densities)
+        from cgx.compression.topk import check_density
+        densities = tuple(check_density(d) for d in densities)
         if "topk" in [str(f).lower() for f in fams] and not densities:
             raise ValueError("densities is empty; e.g. (0.001, 0.01)")
         for r in ranks:
@@ -128,14 +127,6 @@ class AutoCompression(Compressor):
         self.rounding, self.error_feedback = rounding, error_feedback
         self.planner = planner
         self.assume_gbit = None if assume_gbit is None else float(assume_gbit)
-
-    def compress(self, tensor, name=None):
-        raise ValueError("Compression.auto chooses per-layer levels for the gradient exchange of "
-                         "DistributedOptimizer; a single allreduce takes a fixed compressor, "
-                         "e.g. Compression.quantize(bits=4)")
-
-    def decompress(self, payload, ctx):
-        raise ValueError("Compression.auto has no payload of its own")
 
     def __repr__(self) -> str:
         return (f"AutoCompression(alpha={self.alpha:g}, families={self.families}, "

@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Optional, Sequence, Tuple
 import torch
 
 from cgx.comm.base import ReduceOp, Transport
+from cgx.compression.policy import Policy, is_policy_name
 
 STATE_FORMAT = 1  # version of the dicts returned by state_dict()
 
@@ -436,12 +437,17 @@ def as_compressor(obj: Any) -> Compressor:
     Accepts a cgx compressor instance (returned as is), a cgx compressor class
     (``Compression.fp16``: its default instance), or any Horovod-style
     compressor with ``compress``/``decompress`` (wrapped in :class:`HorovodCompressor`).
+    Policies (``"auto"``, ``Compression.auto()``, ``Compression.planned()``) are not
+    compressors: :func:`cgx.compression.resolve` takes them too.
     """
     if isinstance(obj, Compressor):
         return obj
-    if isinstance(obj, str) and obj.strip().lower() == "auto":
-        from cgx.compression.auto import AutoCompression
-        return AutoCompression()
+    if isinstance(obj, Policy):
+        raise ValueError(obj.single_call_error())
+    if is_policy_name(obj):
+        raise ValueError("compression=\"auto\" decides per tensor inside the gradient exchange "
+                         "of DistributedOptimizer (and the tape, and the DDP hook); a single "
+                         "collective takes a fixed compressor, e.g. Compression.quantize(bits=4)")
     if isinstance(obj, type) and issubclass(obj, Compressor):
         return class_default(obj)
     if callable(getattr(obj, "compress", None)) and callable(getattr(obj, "decompress", None)):

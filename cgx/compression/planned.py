@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from cgx.compression.base import Compressor, CompressorKind
+from cgx.compression.policy import Policy
 
 
-class PlannedCompression(Compressor):
+class PlannedCompression(Policy):
     """Per tensor, exact or quantized, whichever the planner predicts makes the step shorter.
 
     The first ``calibrate_steps`` steps run the uniform quantized exchange while the
@@ -37,8 +37,7 @@ class PlannedCompression(Compressor):
         drift_tolerance: relative drift that triggers a re-plan (default 0.25).
     """
 
-    kind = CompressorKind.QUANTIZE
-    summable = False
+    name = "planned"
 
     def __init__(self, bits: int = 4, bucket_size: int = 1024, calibrate_steps: int = 5,
                  assume_gbit: Optional[float] = None, error_feedback: bool = False,
@@ -69,14 +68,6 @@ class PlannedCompression(Compressor):
         self.drift_tolerance = float(drift_tolerance)
         self.assume_gbit = None if assume_gbit is None else float(assume_gbit)
         self.error_feedback = error_feedback
-
-    def compress(self, tensor, name=None):
-        raise ValueError("Compression.planned decides per tensor inside DistributedOptimizer's "
-                         "gradient exchange; a single allreduce takes a fixed compressor, "
-                         "e.g. Compression.quantize(bits=4)")
-
-    def decompress(self, payload, ctx):
-        raise ValueError("Compression.planned has no payload of its own")
 
     def __repr__(self) -> str:
         return (f"PlannedCompression(bits={self.bits}, bucket_size={self.bucket_size}, "

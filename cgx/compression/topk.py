@@ -55,7 +55,7 @@ class TopKContext(NamedTuple):
     index_dtype: torch.dtype
 
 
-def _check_density(density) -> float:
+def check_density(density) -> float:
     if isinstance(density, bool) or not isinstance(density, numbers.Real) \
             or not math.isfinite(density) or not 0.0 < density <= 1.0:
         raise ValueError(f"density={density!r} is out of range; expected a fraction with "
@@ -91,7 +91,7 @@ class TopKCompressor(Compressor):
     summable = False
 
     def __init__(self, density: float = 0.01):
-        self.density = _check_density(density)
+        self.density = check_density(density)
         self.densities: dict = {}
 
     def density_of(self, name=None) -> float:

@@ -41,8 +41,8 @@ import torch
 from cgx import runtime, session
 from cgx.adaptive.compensation import UpdateRule, error_feedback_for
 from cgx.comm.base import ReduceOp
-from cgx.compression import (AutoCompression, Compression, CompressorKind, ErrorFeedback,
-                             ExactCompressor, QuantizeCompressor, as_compressor)
+from cgx.compression import (AutoCompression, Compression, Compressor, CompressorKind,
+                             ErrorFeedback, ExactCompressor, QuantizeCompressor, resolve)
 from cgx.compression.planned import PlannedCompression
 from cgx.config import CompressionMode, Config
 from cgx.exchange.auto import Auto
@@ -56,21 +56,22 @@ STATE_FORMAT = 1
 def choose_mode(comp, cfg: Config, update_rule: UpdateRule):
     """``(compressor, mode, base config, error feedback)`` for a ``compression=`` argument:
     ``Compression.none`` follows ``CGX_*`` (also ``CGX_COMPRESSION=auto``)."""
-    inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
-    if comp.kind is CompressorKind.NONE and cfg.compression is CompressionMode.AUTO:
+    if isinstance(comp, Compressor) and comp.kind is CompressorKind.NONE and \
+            cfg.compression is CompressionMode.AUTO:
         comp = AutoCompression(alpha=cfg.auto_alpha, window=cfg.auto_window,
                                adjust_every=cfg.auto_adjust_every)
-    if isinstance(comp, ExactCompressor):
-        return comp, GradMode.EXACT, cfg, False
     if isinstance(comp, AutoCompression):
         return comp, GradMode.AUTO, cfg, error_feedback_for(comp.error_feedback, update_rule,
                                                             cfg.error_feedback)
     if isinstance(comp, PlannedCompression):
         return (comp, GradMode.PLANNED, cfg.replace(bits=comp.bits, bucket_size=comp.bucket_size),
                 comp.error_feedback)
+    if isinstance(comp, ExactCompressor):
+        return comp, GradMode.EXACT, cfg, False
     if comp.kind is CompressorKind.NONE:
         mode = GradMode.QUANTIZE if cfg.quantization_enabled else GradMode.EXACT
         return comp, mode, cfg, cfg.error_feedback
+    inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
     if isinstance(inner, QuantizeCompressor):
         base = cfg.replace(bits=inner.bits, bucket_size=inner.bucket_size,
                            rounding=inner.rounding)
@@ -128,7 +129,7 @@ class GradientPlan:
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"gradients reduce with op Average or Sum, got {op!r}")
         cfg = config if config is not None else runtime.config()
-        comp, mode, base, error_feedback = choose_mode(as_compressor(compression), cfg,
+        comp, mode, base, error_feedback = choose_mode(resolve(compression), cfg,
                                                        update_rule)
         layer_rules = LayerRules.from_config(base, rules)
         self.names = list(names)

@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from cgx import session
 from cgx.adaptive.compensation import UpdateRule
-from cgx.compression import Compression, as_compressor
+from cgx.compression import Compression, resolve
 from cgx.tensorflow._bridge import WorkBuffers, run_collective, to_tf
 from cgx import runtime
 from cgx.exchange import ExchangeOptions, GradientPlan, ready_order_buckets, unique_names
@@ -64,7 +64,7 @@ def variable_name(v, fallback: Optional[str] = None) -> Optional[str]:
 def cgx_compression(compression):
     """``compression`` with its string spellings (``"auto"``) made the cgx compressor they
     name: a string has no ``compress`` of its own to run on the TF side."""
-    return as_compressor(compression) if isinstance(compression, str) else compression
+    return resolve(compression) if isinstance(compression, str) else compression
 
 
 class GradientExchange:

@@ -26,7 +26,7 @@ import torch
 
 from cgx import runtime
 from cgx import session
-from cgx.compression import Compression, Compressor, as_compressor
+from cgx.compression import Compression, Compressor, Policy, as_compressor
 from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf, to_torch
 # The torch-level bodies of the collectives, written once in the core for both adapters.
 from cgx.ops import (  # noqa: F401 - Horovod's op names, re-exported
@@ -59,7 +59,7 @@ def tf_side_compressor(compression):
     written for ``horovod.tensorflow``: it gets TF tensors, as with Horovod,
     and its payload is reduced exactly.
     """
-    if isinstance(compression, Compressor) or (
+    if isinstance(compression, (Compressor, Policy)) or (
             isinstance(compression, type) and issubclass(compression, Compressor)):
         return None
     as_compressor(compression)  # TypeError with the accepted forms, if neither

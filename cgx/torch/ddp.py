@@ -126,12 +126,12 @@ def _auto_settings(compression, config: Config, error_feedback: Optional[bool]):
     ``error_feedback`` overrides it: the caller's object is never changed), or those of
     ``CGX_AUTO_*`` when ``CGX_COMPRESSION=auto`` and ``compression`` is None."""
     import copy
-    from cgx.compression import AutoCompression, as_compressor
+    from cgx.compression import AutoCompression, resolve
     if compression is None:
         comp = AutoCompression(alpha=config.auto_alpha, window=config.auto_window,
                                adjust_every=config.auto_adjust_every)
     else:
-        comp = as_compressor(compression)
+        comp = resolve(compression)
     if not isinstance(comp, AutoCompression):
         raise ValueError(f"CGXState takes compression='auto' or Compression.auto(...) "
                          f"(other settings come from CGX_* variables), got {comp!r}")

@@ -40,7 +40,7 @@ import torch
 from cgx import runtime
 from cgx.comm.base import ReduceOp
 from cgx.comm.consistency import Signature, signature
-from cgx.compression import Compression, as_compressor
+from cgx.compression import Compression, resolve
 from cgx.errors import CGXError
 from cgx.adaptive.compensation import update_rule_of
 from cgx.exchange import (ExchangeOptions, GradientPlan, GradMode,  # noqa: F401 - GradMode: API
@@ -161,7 +161,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_as_dense = opts.sparse_as_dense
         self._names = self._name_params(named_parameters)
         self._user_groups = self._check_groups(groups)
-        self._compression = as_compressor(compression)
+        self._compression = resolve(compression)
         self._rules_source = rules
         if sufficient_factors is not None and not isinstance(sufficient_factors,
                                                              torch.nn.Module):

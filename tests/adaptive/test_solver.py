@@ -120,9 +120,9 @@ def test_auto_settings_are_checked_at_construction(kwargs, match):
 
 
 def test_auto_string_and_env():
-    from cgx.compression import AutoCompression, as_compressor
+    from cgx.compression import AutoCompression, resolve
     from cgx.config import CompressionMode, Config
-    assert isinstance(as_compressor("auto"), AutoCompression)
+    assert isinstance(resolve("auto"), AutoCompression)
     cfg = Config.from_env({"CGX_COMPRESSION": "auto", "CGX_AUTO_ALPHA": "1.5",
                            "CGX_AUTO_WINDOW": "5", "CGX_AUTO_ADJUST_EVERY": "50"})
     assert cfg.compression is CompressionMode.AUTO

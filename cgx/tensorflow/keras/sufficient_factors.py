@@ -440,14 +440,14 @@ def check_compression(compression) -> None:
     """The plain fallback reduces one layer at a time with a fixed compression: the
     per-layer planners (``"auto"``, ``planned()``) plan the whole model and cannot."""
     from cgx import runtime
-    from cgx.compression import AutoCompression, CompressorKind, as_compressor
+    from cgx.compression import AutoCompression, CompressorKind, resolve
     from cgx.compression.planned import PlannedCompression
     from cgx.config import CompressionMode
     from cgx.tensorflow.ops import tf_side_compressor
     if tf_side_compressor(compression) is not None:
         raise ValueError("sufficient_factors= works with cgx's compressors (Compression.*), "
                          "not with a TensorFlow-side compressor object")
-    comp = as_compressor(compression)
+    comp = resolve(compression)
     if isinstance(comp, (AutoCompression, PlannedCompression)) or (
             comp.kind is CompressorKind.NONE and runtime.is_initialized()
             and runtime.config().compression is CompressionMode.AUTO):
