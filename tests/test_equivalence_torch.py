@@ -1,4 +1,4 @@
-"""2 and 3 real ranks with an exact exchange train exactly like one process on all the data,
+"""2 (and 3) real ranks with an exact exchange train exactly like one process on all the data,
 for the training patterns users write (tests/patterns_torch.py), in every variant (also
 with sufficient factors, with auto restricted to the exact candidate, and with the planned
 exchange restricted to exact options)."""
@@ -16,8 +16,12 @@ def reference():
     return run_patterns("patterns_torch", PATTERNS, world=1)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("world", [2, 3])
+# Every variant on 2 ranks; on 3 (uneven chunks) the plain exchange and the factors: the
+# auto and planned variants restricted to exact options reduce through the same path.
+CASES = [(2, v) for v in VARIANTS] + [(3, v) for v in VARIANTS if v in ("plain", "sfb")]
+
+
+@pytest.mark.parametrize("world,variant", CASES)
 def test_patterns_match_the_single_process_reference(world, variant, reference):
     assert_equivalent(run_patterns("patterns_torch", PATTERNS, world=world, variant=variant),
                       reference)
