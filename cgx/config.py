@@ -275,34 +275,9 @@ class Config:
             ConfigError: naming the variable, the value and the allowed range.
         """
         env = os.environ if env is None else env
-        fusion_mb = _float(env, "CGX_FUSION_BUFFER_SIZE_MB", -1.0, 0.0009765625, 4096.0)
-        if fusion_mb < 0:
-            hvd_bytes = _int(env, "HOROVOD_FUSION_THRESHOLD", 64 << 20, 1024, 4 << 30,
-                             " bytes (Horovod's fusion threshold)")
-            fusion_mb = hvd_bytes / (1 << 20)
+        fusion_mb, start_timeout, stall = _with_horovod_names(env, cls)
         timeline = env.get("CGX_TIMELINE") or env.get("HOROVOD_TIMELINE") or None
-        start_timeout = _float(env, "CGX_START_TIMEOUT_S", -1.0, 1.0, 7 * 24 * 3600.0)
-        if start_timeout < 0:
-            start_timeout = _float(env, "HOROVOD_START_TIMEOUT", cls.start_timeout_s, 1.0,
-                                   7 * 24 * 3600.0)
-        stall = _float(env, "CGX_STALL_WARNING_S", -1.0, 0.0, 7 * 24 * 3600.0)
-        if stall < 0:
-            stall = _float(env, "HOROVOD_STALL_CHECK_TIME_SECONDS", cls.stall_warning_s, 0.0,
-                           7 * 24 * 3600.0)
-        if _bool(env, "HOROVOD_STALL_CHECK_DISABLE", False) and \
-                env.get("CGX_STALL_WARNING_S") is None:
-            stall = 0.0
-        bits_extra = f" (or {NO_QUANTIZATION_BITS} for no quantization)"
-        bits = _int(env, "CGX_COMPRESSION_QUANTIZATION_BITS", cls.bits, MIN_BITS,
-                    NO_QUANTIZATION_BITS, bits_extra)
-        if MAX_BITS < bits < NO_QUANTIZATION_BITS:
-            raise ConfigError(f"CGX_COMPRESSION_QUANTIZATION_BITS={bits} is out of range; "
-                              f"expected [{MIN_BITS}, {MAX_BITS}]{bits_extra}")
-        bucket = _int(env, "CGX_COMPRESSION_BUCKET_SIZE", cls.bucket_size, 8, MAX_BUCKET_SIZE,
-                      " and a multiple of 8")
-        if bucket % 8:
-            raise ConfigError(f"CGX_COMPRESSION_BUCKET_SIZE={bucket} is not a multiple of 8; "
-                              f"expected a multiple of 8 in [8, {MAX_BUCKET_SIZE}], e.g. 1024")
+        bits, bucket = _quantization_level(env, cls)
         return cls(
             bits=bits,
             bucket_size=bucket,
@@ -336,6 +311,44 @@ class Config:
             verbose=_bool(env, "CGX_VERBOSE", cls.verbose),
             stats_every=_int(env, "CGX_STATS_EVERY", cls.stats_every, 0, 1 << 30),
         )
+
+
+def _with_horovod_names(env: Mapping[str, str], defaults) -> tuple[float, float, float]:
+    """Fusion buffer (MB), start timeout and stall warning (s): the CGX_ variable, else
+    Horovod's (HOROVOD_FUSION_THRESHOLD, HOROVOD_START_TIMEOUT, HOROVOD_STALL_CHECK_*)."""
+    fusion_mb = _float(env, "CGX_FUSION_BUFFER_SIZE_MB", -1.0, 0.0009765625, 4096.0)
+    if fusion_mb < 0:
+        hvd_bytes = _int(env, "HOROVOD_FUSION_THRESHOLD", 64 << 20, 1024, 4 << 30,
+                         " bytes (Horovod's fusion threshold)")
+        fusion_mb = hvd_bytes / (1 << 20)
+    start_timeout = _float(env, "CGX_START_TIMEOUT_S", -1.0, 1.0, 7 * 24 * 3600.0)
+    if start_timeout < 0:
+        start_timeout = _float(env, "HOROVOD_START_TIMEOUT", defaults.start_timeout_s, 1.0,
+                               7 * 24 * 3600.0)
+    stall = _float(env, "CGX_STALL_WARNING_S", -1.0, 0.0, 7 * 24 * 3600.0)
+    if stall < 0:
+        stall = _float(env, "HOROVOD_STALL_CHECK_TIME_SECONDS", defaults.stall_warning_s, 0.0,
+                       7 * 24 * 3600.0)
+    if _bool(env, "HOROVOD_STALL_CHECK_DISABLE", False) and \
+            env.get("CGX_STALL_WARNING_S") is None:
+        stall = 0.0
+    return fusion_mb, start_timeout, stall
+
+
+def _quantization_level(env: Mapping[str, str], defaults) -> tuple[int, int]:
+    """CGX_COMPRESSION_QUANTIZATION_BITS and CGX_COMPRESSION_BUCKET_SIZE, checked."""
+    bits_extra = f" (or {NO_QUANTIZATION_BITS} for no quantization)"
+    bits = _int(env, "CGX_COMPRESSION_QUANTIZATION_BITS", defaults.bits, MIN_BITS,
+                NO_QUANTIZATION_BITS, bits_extra)
+    if MAX_BITS < bits < NO_QUANTIZATION_BITS:
+        raise ConfigError(f"CGX_COMPRESSION_QUANTIZATION_BITS={bits} is out of range; "
+                          f"expected [{MIN_BITS}, {MAX_BITS}]{bits_extra}")
+    bucket = _int(env, "CGX_COMPRESSION_BUCKET_SIZE", defaults.bucket_size, 8, MAX_BUCKET_SIZE,
+                  " and a multiple of 8")
+    if bucket % 8:
+        raise ConfigError(f"CGX_COMPRESSION_BUCKET_SIZE={bucket} is not a multiple of 8; "
+                          f"expected a multiple of 8 in [8, {MAX_BUCKET_SIZE}], e.g. 1024")
+    return bits, bucket
 
 
 # Documented list of variables, used by `cgxrun --help-env` and the README.

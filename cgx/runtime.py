@@ -129,10 +129,7 @@ def init(config: Optional[Config] = None, *,
         if _state is not None:
             _check_same(_state, config, transport, device)
             return
-        if config is None:
-            config = Config.from_env()
-        elif not isinstance(config, Config):
-            raise TypeError(f"config must be a cgx.Config, got {type(config).__name__}")
+        config = _config_arg(config)
         kind, given = _resolve_transport_arg(transport, config)
         world = discover()                                                   # 1. who am I
         kind, conn = _connect(world, config, kind, given, device)           # 2. connect
@@ -156,6 +153,15 @@ def init(config: Optional[Config] = None, *,
                             f"{world.cross_size}), launcher {world.launcher.value}, "
                             f"transport {conn.transport.name} on {conn.transport.device}"
                             + "".join(f"; {n}" for n in world.notes))
+
+
+def _config_arg(config: Optional[Config]) -> Config:
+    """``init``'s ``config`` argument (default ``Config.from_env()``)."""
+    if config is None:
+        return Config.from_env()
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a cgx.Config, got {type(config).__name__}")
+    return config
 
 
 def _connect(world: WorldInfo, config: Config, kind: TransportKind, given, device):

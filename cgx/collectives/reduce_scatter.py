@@ -48,10 +48,9 @@ def reduce_scatter(tensor: torch.Tensor, transport: Transport, op: ReduceOp, pre
     """
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
-    W, r = transport.size, transport.rank
+    W = transport.size
     counts = split_rows(tensor.shape[0], W)
     starts = [sum(counts[:c]) for c in range(W)]
-    row_len = tensor[0].numel() if tensor.shape[0] else 0
     scale = post / W if op is ReduceOp.AVERAGE else post
     x = tensor.clone()
     scale_(x, pre)
@@ -61,24 +60,46 @@ def reduce_scatter(tensor: torch.Tensor, transport: Transport, op: ReduceOp, pre
                              or x.dtype not in FLOAT_DTYPES):
         spec = None
     if spec is not None:
-        flat = x.view(-1)
-        pieces = []
-        for c in range(W):
-            n = counts[c] * row_len
-            pieces.append((Piece(0, starts[c] * row_len, n, starts[c] * row_len, 0,
-                                 wire.packed_nbytes(n, spec.bits, spec.bucket_size), spec),)
-                          if n else ())
-        slot = max((p[0].nbytes for p in pieces if p), default=0)
-        block = Block(0, flat.numel(), tuple(pieces), slot)
-        ctx = ReduceContext([flat], transport, seed=seed, step=step,
-                            buffer_id=zlib.crc32(name.encode()) if name else 0,
-                            threads=threads)
-        with count_sent() as sent:
-            for work in sra_scatter(ctx, block):
-                work.wait()
-        mine = x[starts[r]: starts[r] + counts[r]]
-        return scale_(mine.clone(), scale), sent.total
-    # Exact: all-to-all of the row slices, reduced here in rank order.
+        return _quantized(x, transport, spec, counts, starts, scale, name=name, seed=seed,
+                          step=step, threads=threads)
+    return _exact(x, transport, op, counts, starts, scale)
+
+
+def record(reducer, tensor: torch.Tensor, sent: int, t0: float) -> None:
+    """Count one reduce-scatter in ``reducer``'s statistics."""
+    from cgx.collectives.reducer import ReduceStats
+    reducer.add_stats(ReduceStats(calls=1, numel=tensor.numel(),
+                                  input_bytes=tensor.numel() * tensor.element_size(),
+                                  wire_bytes=sent,
+                                  seconds={"total": time.perf_counter() - t0}))
+
+
+def _quantized(x, transport, spec, counts, starts, scale, *, name, seed, step, threads):
+    """SRA's first half: each rank's rows quantized to their owner, summed there."""
+    W, r = transport.size, transport.rank
+    row_len = x[0].numel() if x.shape[0] else 0
+    flat = x.view(-1)
+    pieces = []
+    for c in range(W):
+        n = counts[c] * row_len
+        pieces.append((Piece(0, starts[c] * row_len, n, starts[c] * row_len, 0,
+                             wire.packed_nbytes(n, spec.bits, spec.bucket_size), spec),)
+                      if n else ())
+    slot = max((p[0].nbytes for p in pieces if p), default=0)
+    block = Block(0, flat.numel(), tuple(pieces), slot)
+    ctx = ReduceContext([flat], transport, seed=seed, step=step,
+                        buffer_id=zlib.crc32(name.encode()) if name else 0,
+                        threads=threads)
+    with count_sent() as sent:
+        for work in sra_scatter(ctx, block):
+            work.wait()
+    mine = x[starts[r]: starts[r] + counts[r]]
+    return scale_(mine.clone(), scale), sent.total
+
+
+def _exact(x, transport, op, counts, starts, scale):
+    """All-to-all of the row slices (as bytes), reduced here in rank order."""
+    W, r = transport.size, transport.rank
     send = torch.view_as_real(x) if x.is_complex() else (
         x.to(torch.int32) if x.dtype == torch.bool else x)
     width = max(counts) * send[0].numel() * send.element_size() if send.shape[0] else 0
@@ -111,12 +132,3 @@ def reduce_scatter(tensor: torch.Tensor, transport: Transport, op: ReduceOp, pre
     elif x.dtype == torch.bool:
         red = red != 0
     return red, sent.total
-
-
-def record(reducer, tensor: torch.Tensor, sent: int, t0: float) -> None:
-    """Count one reduce-scatter in ``reducer``'s statistics."""
-    from cgx.collectives.reducer import ReduceStats
-    reducer.add_stats(ReduceStats(calls=1, numel=tensor.numel(),
-                                  input_bytes=tensor.numel() * tensor.element_size(),
-                                  wire_bytes=sent,
-                                  seconds={"total": time.perf_counter() - t0}))

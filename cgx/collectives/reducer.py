@@ -204,9 +204,7 @@ class Reducer:
         """
         tensors, specs = self._validate(tensors, specs, op)
         t_start = time.perf_counter()
-        algorithm = algorithm or self.config.inner_reduction
-        if not isinstance(algorithm, ReductionType):
-            raise TypeError(f"algorithm must be a cgx.ReductionType, got {algorithm!r}")
+        algorithm = self._algorithm(algorithm)
         world = self.transport.size
         scale = postscale_factor / world if op is ReduceOp.AVERAGE else postscale_factor
         if prescale_factor != 1.0:
@@ -216,15 +214,14 @@ class Reducer:
         timer = pipeline.PhaseTimer(self.timeline, row=name or "allreduce")
         comp = [i for i, s in enumerate(specs) if s is not None] if op in (
             ReduceOp.SUM, ReduceOp.AVERAGE) else []
-        compressed = set(comp)
-        plain = [i for i in range(len(tensors)) if i not in compressed]
+        plain = sorted(set(range(len(tensors))) - set(comp))
         buffer_id = zlib.crc32(name.encode()) if name else 0
         fp32_wire = 0
         with count_sent() as sent:
             if comp and world > 1:
                 views = [tensors[i].view(-1) for i in comp]
                 segs = tuple((v.numel(), specs[i]) for v, i in zip(views, comp))
-                res = self._check_residuals(residuals, tensors, comp, algorithm)
+                res = _check_residuals(residuals, tensors, comp, algorithm, self.hierarchical)
                 self._compressed(views, segs, algorithm, scale, buffer_id, timer, res,
                                  self.calls if step is None else step)
                 if res is not None:
@@ -237,8 +234,20 @@ class Reducer:
                 with timer.time("plain"):
                     self._plain([tensors[i] for i in plain], op, scale)
                 fp32_wire += _plain_wire_bytes(sum(tensors[i].numel() * 4 for i in plain), world)
-        stats.wire_bytes, stats.sent = sent.total, dict(sent.by_collective)
         self.calls += 1
+        return self._record(stats, sent, tensors, timer, t_start, fp32_wire, name,
+                            len(comp), len(plain))
+
+    def _algorithm(self, algorithm: Optional[ReductionType]) -> ReductionType:
+        algorithm = algorithm or self.config.inner_reduction
+        if not isinstance(algorithm, ReductionType):
+            raise TypeError(f"algorithm must be a cgx.ReductionType, got {algorithm!r}")
+        return algorithm
+
+    def _record(self, stats: ReduceStats, sent, tensors, timer, t_start: float,
+                fp32_wire: int, name: Optional[str], compressed: int, plain: int) -> ReduceStats:
+        """Fill in one call's statistics, mark it on the timeline, add it to the totals."""
+        stats.wire_bytes, stats.sent = sent.total, dict(sent.by_collective)
         stats.numel = sum(t.numel() for t in tensors)
         stats.input_bytes = sum(t.numel() * t.element_size() for t in tensors)
         stats.seconds = dict(timer.seconds)
@@ -248,7 +257,7 @@ class Reducer:
             self.timeline.add("done", t_start, stats.seconds["total"], row=name or "allreduce",
                               args={"numel": stats.numel, "input_bytes": stats.input_bytes,
                                     "wire_bytes": stats.wire_bytes,
-                                    "compressed_tensors": len(comp), "exact_tensors": len(plain)})
+                                    "compressed_tensors": compressed, "exact_tensors": plain})
         self.add_stats(stats)
         return stats
 
@@ -299,7 +308,8 @@ class Reducer:
     def _validate(self, tensors, specs, op):
         if isinstance(tensors, torch.Tensor) or not all(isinstance(t, torch.Tensor)
                                                         for t in tensors):
-            raise TypeError("tensors must be a list of torch.Tensor (wrap a single tensor in a list)")
+            raise TypeError("tensors must be a list of torch.Tensor (wrap a single tensor in "
+                            "a list)")
         tensors = list(tensors)
         if specs is None:
             specs = [None] * len(tensors)
@@ -349,28 +359,6 @@ class Reducer:
         return alg.ReduceContext(views, transport, scale=scale, seed=self.config.seed,
                                  step=step, buffer_id=buffer_id, timer=timer,
                                  threads=self.config.cpu_threads)
-
-    def _check_residuals(self, residuals, tensors, comp, algorithm):
-        if residuals is None:
-            return None
-        residuals = list(residuals)
-        if len(residuals) != len(tensors):
-            raise ValueError(f"got {len(residuals)} residuals for {len(tensors)} tensors; pass "
-                             "one float32 tensor (or None for uncompressed ones) per tensor")
-        if algorithm is ReductionType.RING or self.hierarchical:
-            raise ValueError("error feedback inside the collective works with the SRA and "
-                             "ALLGATHER algorithms, not with RING or hierarchical reduction: set "
-                             "CGX_INNER_REDUCTION_TYPE=sra or turn error feedback off")
-        out = []
-        for i in comp:
-            e = residuals[i]
-            if not isinstance(e, torch.Tensor) or e.dtype != torch.float32 or \
-                    e.numel() != tensors[i].numel() or not e.is_contiguous() or \
-                    e.device != tensors[i].device:
-                raise ValueError(f"residual {i} must be a contiguous float32 tensor of "
-                                 f"{tensors[i].numel()} values on {tensors[i].device}")
-            out.append(e.view(-1))
-        return out
 
     def _compressed(self, views, segs, algorithm, scale, buffer_id, timer, residuals,
                     step) -> None:
@@ -426,3 +414,27 @@ class Reducer:
                 if len(group) > 1:
                     for t, part in zip(group, buf.split([t.numel() for t in group])):
                         t.view(-1).copy_(part)
+
+
+def _check_residuals(residuals, tensors, comp, algorithm, hierarchical: bool):
+    """The residuals of the compressed tensors ``comp`` (flat views), checked."""
+    if residuals is None:
+        return None
+    residuals = list(residuals)
+    if len(residuals) != len(tensors):
+        raise ValueError(f"got {len(residuals)} residuals for {len(tensors)} tensors; pass "
+                         "one float32 tensor (or None for uncompressed ones) per tensor")
+    if algorithm is ReductionType.RING or hierarchical:
+        raise ValueError("error feedback inside the collective works with the SRA and "
+                         "ALLGATHER algorithms, not with RING or hierarchical reduction: set "
+                         "CGX_INNER_REDUCTION_TYPE=sra or turn error feedback off")
+    out = []
+    for i in comp:
+        e = residuals[i]
+        if not isinstance(e, torch.Tensor) or e.dtype != torch.float32 or \
+                e.numel() != tensors[i].numel() or not e.is_contiguous() or \
+                e.device != tensors[i].device:
+            raise ValueError(f"residual {i} must be a contiguous float32 tensor of "
+                             f"{tensors[i].numel()} values on {tensors[i].device}")
+        out.append(e.view(-1))
+    return out

@@ -231,35 +231,8 @@ class PlannedSchedule:
     def replan(self, transport, verbose: bool = False, step: Optional[int] = None,
                timeline=None) -> ExchangePlan:
         """Every rank at the same point: agree on the profile, measure, plan."""
-        from cgx.comm.base import ReduceOp
-        from cgx.planner.calibration import (compressor_throughput, contention, link_model,
-                                             ranks_on_this_host)
         n = len(self.names)
-        local = torch.tensor([statistics.median(r) if r else 0.0 for r in self._ready] + [
-            0.0] * 5, dtype=torch.float64)
-        tp = compressor_throughput(numel=1 << 22, bits=self.settings.bits,
-                                   bucket_size=self.settings.bucket_size, reps=2)
-        # MAX over ranks: the latest ready time, the slowest quantizer and factor rebuild
-        # (as 1/throughput) and the most crowded host
-        local[n:] = torch.tensor([1.0 / tp["compress_bps"], 1.0 / tp["decompress_bps"],
-                                  1.0 / tp["cast_bps"],
-                                  contention(ranks_on_this_host(transport),
-                                             0 if transport.device.type == "cuda" else None),
-                                  1.0 / tp["matmul_flops"]], dtype=torch.float64)
-        agreed = local.to(transport.device)
-        if transport.size > 1:
-            transport.allreduce(agreed, ReduceOp.MAX)
-        agreed = agreed.cpu().tolist()
-        ready, inv = agreed[:n], agreed[n:]
-        if self.settings.assume_gbit is not None:
-            cost = CostModel.uniform(transport.size, self.settings.assume_gbit,
-                                     compress_bps=1 / inv[0], decompress_bps=1 / inv[1],
-                                     cast_bps=1 / inv[2], contention=inv[3],
-                                     matmul_flops=1 / inv[4])
-        else:
-            cost = CostModel(transport.size, link_model(transport), compress_bps=1 / inv[0],
-                             decompress_bps=1 / inv[1], cast_bps=1 / inv[2],
-                             matmul_flops=1 / inv[4], contention=inv[3])
+        ready, cost = agreed_profile(self._ready, self.settings, transport)
         self.cost = cost
         # A factor layer (its rows seen) has sufficient factors among its options.
         rows = self._factor_rows
@@ -388,6 +361,36 @@ def _option_from_list(v: list) -> Option:
     return Option(name, float(compress_s), tuple((Collective(k), int(b)) for k, b in wire),
                   float(decompress_s), float(linear_s),
                   tuple((n, Collective(k)) for n, k in calls), float(cpu_s))
+
+
+def agreed_profile(ready_times: list, settings, transport) -> tuple[list, CostModel]:
+    """The ready times and the cost model every rank plans with: MAX over ranks of
+    the latest ready time, the slowest quantizer and factor rebuild (as 1/throughput)
+    and the most crowded host; the link measured (or ``assume_gbit``). ``ready_times``:
+    per tensor, this rank's traced ready times; ``settings``: the PlannedCompression."""
+    from cgx.comm.base import ReduceOp
+    from cgx.planner.calibration import (compressor_throughput, contention, link_model,
+                                         ranks_on_this_host)
+    n = len(ready_times)
+    local = torch.tensor([statistics.median(r) if r else 0.0 for r in ready_times] + [
+        0.0] * 5, dtype=torch.float64)
+    tp = compressor_throughput(numel=1 << 22, bits=settings.bits,
+                               bucket_size=settings.bucket_size, reps=2)
+    local[n:] = torch.tensor([1.0 / tp["compress_bps"], 1.0 / tp["decompress_bps"],
+                              1.0 / tp["cast_bps"],
+                              contention(ranks_on_this_host(transport),
+                                         0 if transport.device.type == "cuda" else None),
+                              1.0 / tp["matmul_flops"]], dtype=torch.float64)
+    agreed = local.to(transport.device)
+    if transport.size > 1:
+        transport.allreduce(agreed, ReduceOp.MAX)
+    agreed = agreed.cpu().tolist()
+    ready, inv = agreed[:n], agreed[n:]
+    speeds = dict(compress_bps=1 / inv[0], decompress_bps=1 / inv[1], cast_bps=1 / inv[2],
+                  contention=inv[3], matmul_flops=1 / inv[4])
+    if settings.assume_gbit is not None:
+        return ready, CostModel.uniform(transport.size, settings.assume_gbit, **speeds)
+    return ready, CostModel(transport.size, link_model(transport), **speeds)
 
 
 def plan_to_dict(p: ExchangePlan) -> dict:

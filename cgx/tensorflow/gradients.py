@@ -178,25 +178,10 @@ class GradientExchange:
                              "this process. Drop the strategy and start one process per device")
         if names is None:
             names = [variable_name(v) for v in variables]
-        if local or reduced:
-            # not reduced here: rank-local, or averaged already
-            kept = [i for i, v in enumerate(variables) if id(v) in local or id(v) in reduced]
-            if kept:
-                rest = sorted(set(range(len(grads))) - set(kept))
-                out = [None] * len(grads)
-                outs = self([grads[i] for i in rest], [variables[i] for i in rest],
-                            [names[i] for i in rest], step)
-                for i, g in zip(rest, outs):
-                    out[i] = g
-                size = group_size(self.group)
-                for i in kept:
-                    g = grads[i]
-                    if g is not None and scale_local and size > 1 and \
-                            id(variables[i]) in local:
-                        g = tf.IndexedSlices(g.values / size, g.indices, g.dense_shape) \
-                            if isinstance(g, tf.IndexedSlices) else g / size
-                    out[i] = g
-                return out
+        # not reduced here: rank-local, or averaged already
+        kept = [i for i, v in enumerate(variables) if id(v) in local or id(v) in reduced]
+        if kept:
+            return self._with_kept(grads, variables, names, step, kept, local, scale_local)
         if group_size(self.group) == 1:  # Average and Sum over one rank change nothing
             return [g if g is None or not isinstance(g, tf.IndexedSlices) or
                     not self.sparse_as_dense else tf.convert_to_tensor(g) for g in grads]
@@ -211,6 +196,24 @@ class GradientExchange:
                                postscale_factor=self.predivide,
                                name=f"{self.label}.sparse.{names[i] or i}",
                                process_set=self.process_set)
+        return out
+
+    def _with_kept(self, grads, variables, names, step, kept, local, scale_local) -> list:
+        """The others reduced, the ``kept`` gradients as they are (rank-local ones divided
+        by the number of ranks when ``scale_local``, Horovod's rule)."""
+        rest = sorted(set(range(len(grads))) - set(kept))
+        out = [None] * len(grads)
+        outs = self([grads[i] for i in rest], [variables[i] for i in rest],
+                    [names[i] for i in rest], step)
+        for i, g in zip(rest, outs):
+            out[i] = g
+        size = group_size(self.group)
+        for i in kept:
+            g = grads[i]
+            if g is not None and scale_local and size > 1 and id(variables[i]) in local:
+                g = tf.IndexedSlices(g.values / size, g.indices, g.dense_shape) \
+                    if isinstance(g, tf.IndexedSlices) else g / size
+            out[i] = g
         return out
 
     def _reduce_dense(self, dense, variables, names, step) -> list:
