@@ -186,7 +186,7 @@ def close() -> None:
     global _reducer, _owner
     with _lock:
         if _reducer is not None:
-            engine = _reducer._engine
+            engine = _reducer.started_engine
             _reducer.close()
             _reducer.timeline.close()
             if _reducer.config.verbose and (_reducer.totals.calls or engine is not None):

@@ -151,6 +151,11 @@ class Reducer:
         self.board = board
         self._engine: Optional[Engine] = None
 
+    @property
+    def started_engine(self) -> Optional[Engine]:
+        """The engine thread if :meth:`engine` has started it, else None (starts nothing)."""
+        return self._engine
+
     def engine(self) -> Engine:
         """The engine thread that runs this reducer's asynchronous work (created on first use)."""
         if self._engine is None:
@@ -204,7 +209,7 @@ class Reducer:
         """
         tensors, specs = self._validate(tensors, specs, op)
         t_start = time.perf_counter()
-        algorithm = self._algorithm(algorithm)
+        algorithm = _check_algorithm(algorithm or self.config.inner_reduction)
         world = self.transport.size
         scale = postscale_factor / world if op is ReduceOp.AVERAGE else postscale_factor
         if prescale_factor != 1.0:
@@ -237,12 +242,6 @@ class Reducer:
         self.calls += 1
         return self._record(stats, sent, tensors, timer, t_start, fp32_wire, name,
                             len(comp), len(plain))
-
-    def _algorithm(self, algorithm: Optional[ReductionType]) -> ReductionType:
-        algorithm = algorithm or self.config.inner_reduction
-        if not isinstance(algorithm, ReductionType):
-            raise TypeError(f"algorithm must be a cgx.ReductionType, got {algorithm!r}")
-        return algorithm
 
     def _record(self, stats: ReduceStats, sent, tensors, timer, t_start: float,
                 fp32_wire: int, name: Optional[str], compressed: int, plain: int) -> ReduceStats:
@@ -438,3 +437,9 @@ def _check_residuals(residuals, tensors, comp, algorithm, hierarchical: bool):
                              f"{tensors[i].numel()} values on {tensors[i].device}")
         out.append(e.view(-1))
     return out
+
+
+def _check_algorithm(algorithm) -> ReductionType:
+    if not isinstance(algorithm, ReductionType):
+        raise TypeError(f"algorithm must be a cgx.ReductionType, got {algorithm!r}")
+    return algorithm

@@ -16,7 +16,7 @@ from cgx.ops import (Average, Sum, allgather_rows, group_size, op_name, reducesc
 from cgx.process_sets import global_process_set
 from cgx.tensorflow._bridge import run_collective, to_tf, to_torch
 from cgx.tensorflow.ops import resolve_process_set
-from cgx.torch.compat import HorovodInternalError, _refuse, check_extension  # noqa: F401
+from cgx.torch.compat import HorovodInternalError, check_extension, refuse  # noqa: F401
 
 
 def size_op(process_set_id=0, name=None):
@@ -144,11 +144,11 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
             for i, t in enumerate(tensors)]
 
 
-broadcast_global_variables = _refuse(
+broadcast_global_variables = refuse(
     "broadcast_global_variables()", "it broadcasts TF1 global variables; use "
     "hvd.broadcast_variables(model.variables, root_rank=0) (or the Keras "
     "BroadcastGlobalVariablesCallback)")
-join = _refuse("hvd.join() for TensorFlow", "join() covers the torch DistributedOptimizer; "
+join = refuse("hvd.join() for TensorFlow", "join() covers the torch DistributedOptimizer; "
                "give every rank the same number of batches (e.g. repeat() and a fixed "
                "steps_per_epoch)")
 
@@ -163,7 +163,7 @@ class SyncBatchNormalization:
 
 elastic = types.ModuleType("cgx.tensorflow.elastic", "Horovod elastic training: not supported.")
 for _name in ("run", "TensorFlowState", "TensorFlowKerasState", "ObjectState", "State"):
-    setattr(elastic, _name, _refuse(
+    setattr(elastic, _name, refuse(
         f"hvd.elastic.{_name}", "cgx jobs have a fixed set of ranks: save a checkpoint and "
         "restart the job (cgxrun) to change the world size"))
 

@@ -22,7 +22,7 @@ def check_extension(ext_name=None, ext_env_var=None, pkg_path=None, *args) -> No
     """Horovod checks its compiled extension here; cgx has none to check."""
 
 
-def _refuse(what: str, instead: str):
+def refuse(what: str, instead: str):
     def fn(*args, **kwargs):
         raise NotImplementedError(f"{what} is not supported by cgx; {instead}")
     fn.__name__ = what.split("(")[0].split(".")[-1]
@@ -33,6 +33,6 @@ def _refuse(what: str, instead: str):
 elastic = types.ModuleType("cgx.torch.elastic", "Horovod elastic training: not supported.")
 for _name in ("run", "TorchState", "ObjectState", "State", "SamplerStateHandler",
               "ElasticSampler"):
-    setattr(elastic, _name, _refuse(
+    setattr(elastic, _name, refuse(
         f"hvd.elastic.{_name}", "cgx jobs have a fixed set of ranks: checkpoint with "
         "optimizer.state_dict() and restart the job (cgxrun) to change the world size"))

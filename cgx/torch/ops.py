@@ -376,8 +376,8 @@ def join(device=-1) -> int:
     on the ranks still running meanwhile, and the job goes on. Covers the
     global process set.
     """
-    from cgx.torch import optimizer as _opt
-    return _opt.join_world()
+    from cgx.torch.join import join_world
+    return join_world()
 
 
 def is_initialized() -> bool:

@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from cgx import runtime
-from cgx.comm.base import ReduceOp
 from cgx.comm.consistency import Signature, signature
 from cgx.compression import Compression, resolve
 from cgx.errors import CGXError
@@ -47,15 +46,14 @@ from cgx.exchange import (ExchangeOptions, GradientPlan, GradMode,  # noqa: F401
                           check_wrapped_once)
 from cgx.exchange.buckets import compose_buckets
 from cgx import session
-from cgx.collectives import joining
-from cgx.ops import Average, answer_joined, group_size, resolve_process_set
+from cgx.torch import join
+from cgx.ops import Average, group_size, resolve_process_set
 from cgx.process_sets import global_process_set
 from cgx.session import reducer_of
 
 STATE_FORMAT = 1
 
 
-_registry: "weakref.WeakValueDictionary[int, DistributedOptimizer]" = weakref.WeakValueDictionary()
 _registry_ids = iter(range(1, 1 << 62))
 # id(parameter) -> (weakref to it, registry id of the optimizer whose hook it carries, hook
 # handle). A parameter reports its gradient to one DistributedOptimizer: a new one over the
@@ -262,7 +260,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._signature = self._make_signature()
         self._timeline = session.reducer().timeline
         self._digest = self._signature.digest()
-        _registry[self._registry_id] = self
+        join.register(self._registry_id, self)
 
     def _make_plan(self, params: list, cfg) -> GradientPlan:
         """The exchange of ``params``: `compression` mapped to a mode, per-layer specs and
@@ -438,7 +436,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.sfb_used = {}  # this step's: weight name -> travelled as factors
             if status and group_size(self._group) > 1:
                 # One tiny collective per step lets ranks that called join() follow.
-                self._pending.handles.append(session.submit(_status_exchange, self._registry_id,
+                self._pending.handles.append(session.submit(join.status_exchange, self._registry_id,
                                                     self._signature, self._group,
                                                     label="step-status"))
         if self._buckets[b][0] in self._factor_set:
@@ -722,7 +720,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- join: shadow steps for ranks that ran out of data --------------------------------
 
-    def _shadow_step(self) -> None:
+    def shadow_step(self) -> None:
         """Take part in one step of the other ranks with zero gradients (after join())."""
         with self._lock:
             for b in range(len(self._buckets)):
@@ -732,54 +730,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for h in handles:
             h.wait(session.wait_timeout())
         self._reset_step_state()
-
-
-def _status_exchange(opt_id: int, sig: "Signature | None" = None, group=None) -> int:
-    """Per-step status collective: the largest optimizer id stepping now (0: everyone joined).
-
-    It also checks, at no extra cost, that every stepping rank has the same bucket
-    layout (the exchange carries the step's signature digest; a joined rank adds
-    neutral values). On a difference every rank raises the same
-    :class:`CollectiveMismatchError`, naming what differs. See ``cgx.collectives.joining``.
-    """
-    tr = reducer_of(group).transport
-    sig = sig if runtime.config().check_consistency else None
-    return joining.exchange(tr, opt_id, sig, recoverable=False).what
-
-
-def join_world() -> int:
-    """``hvd.join()``: take part in the other ranks' optimizer steps and functional allreduces
-    (with zeros) until every rank has joined.
-
-    Returns:
-        The rank that joined last (the highest one if several joined at the same point).
-    """
-    if runtime.size() == 1:
-        return 0
-    shadowed = 0
-    while True:
-        status = session.run(lambda: joining.exchange(reducer_of(None).transport,
-                                                      joining.JOINED), label="step-status")
-        if status.what == joining.JOINED:
-            break
-        shadowed += 1
-        if status.what == joining.ALLREDUCE:
-            session.run(answer_joined, status.root, label="joined-allreduce")
-            continue
-        if status.what == joining.OTHER:
-            continue  # refused on the other ranks (see cgx.ops.check)
-        opt = _registry.get(status.what)
-        if opt is None:
-            raise CGXError(f"another rank is stepping DistributedOptimizer #{status.what}, "
-                           "which this rank does not have; create the same optimizers on "
-                           "every rank")
-        opt._shadow_step()
-    # The last to join found everyone joined at once: it took part in nothing.
-    return session.run(_max_rank, shadowed == 0, label="join-last")
-
-
-def _max_rank(candidate: bool) -> int:
-    tr = session.reducer().transport
-    t = torch.tensor([tr.rank if candidate else -1], dtype=torch.int64, device=tr.device)
-    tr.allreduce(t, ReduceOp.MAX)
-    return int(t.item())
