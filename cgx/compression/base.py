@@ -39,7 +39,7 @@ from typing import Any, ClassVar, Optional, Sequence, Tuple
 import torch
 
 from cgx.comm.base import ReduceOp, Transport
-from cgx.compression.policy import Policy, is_policy_name
+from cgx.compression.policy import Policy, is_policy_name, single_call_error
 
 STATE_FORMAT = 1  # version of the dicts returned by state_dict()
 
@@ -445,9 +445,7 @@ def as_compressor(obj: Any) -> Compressor:
     if isinstance(obj, Policy):
         raise ValueError(obj.single_call_error())
     if is_policy_name(obj):
-        raise ValueError("compression=\"auto\" decides per tensor inside the gradient exchange "
-                         "of DistributedOptimizer (and the tape, and the DDP hook); a single "
-                         "collective takes a fixed compressor, e.g. Compression.quantize(bits=4)")
+        raise ValueError(single_call_error('compression="auto"'))
     if isinstance(obj, type) and issubclass(obj, Compressor):
         return class_default(obj)
     if callable(getattr(obj, "compress", None)) and callable(getattr(obj, "decompress", None)):

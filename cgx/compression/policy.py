@@ -14,6 +14,13 @@ from typing import ClassVar, Optional
 STATE_FORMAT = 1
 
 
+def single_call_error(spelling: str) -> str:
+    """What to tell a user who passes a policy (as ``spelling``) to one collective."""
+    return (f"{spelling} decides per tensor inside the gradient exchange of "
+            f"DistributedOptimizer (and the tape, and the DDP hook); a single collective "
+            f"takes a fixed compressor, e.g. Compression.quantize(bits=4)")
+
+
 class Policy:
     """Settings of an exchange that chooses per tensor; subclasses validate their own."""
 
@@ -22,9 +29,7 @@ class Policy:
 
     def single_call_error(self) -> str:
         """What to tell a user who passes this policy to one collective."""
-        return (f"Compression.{self.name} decides per tensor inside the gradient exchange of "
-                f"DistributedOptimizer (and the tape, and the DDP hook); a single collective "
-                f"takes a fixed compressor, e.g. Compression.quantize(bits=4)")
+        return single_call_error(f"Compression.{self.name}")
 
     def state_dict(self) -> dict:
         """Policies keep no per-tensor state of their own (the exchange keeps it)."""

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from cgx.adaptive import AdaptiveSchedule
 from cgx.adaptive.candidates import Family
 from cgx.compression import ErrorFeedback
@@ -142,13 +140,8 @@ class Auto(Mode):
         else:
             reduce_family(self.cfg, red, comp if self.cfg.error_feedback else inner, ws, names)
 
-    def held(self, name: str) -> list[torch.Tensor]:
-        parts = []
-        for comp in (self.compression, self.topk, self.powersgd):
-            e = comp.residual(name) if callable(getattr(comp, "residual", None)) else None
-            if e is not None:
-                parts.append(e.detach().reshape(-1).to(torch.float32) * self.cfg.predivide)
-        return parts
+    def compressors(self) -> tuple:
+        return (self.topk, self.powersgd)
 
     def state_dict(self) -> dict:
         state = {"adaptive": self.adaptive.state_dict(), "last_step": self.last_step,

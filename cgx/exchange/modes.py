@@ -129,12 +129,18 @@ class Mode:
         """The specs the next step uses (the plan's fixed ones unless the mode decides)."""
         return specs
 
+    def compressors(self) -> tuple:
+        """What may hold residuals of this mode's tensors."""
+        return (self.compression,)
+
     def held(self, name: str) -> list[torch.Tensor]:
         """What the mode's compressors hold for ``name``, flat float32, gradient units."""
-        e = self.compression.residual(name) if callable(
-            getattr(self.compression, "residual", None)) else None
-        return [] if e is None else [e.detach().reshape(-1).to(torch.float32)
-                                     * self.cfg.predivide]
+        parts = []
+        for comp in self.compressors():
+            e = comp.residual(name) if callable(getattr(comp, "residual", None)) else None
+            if e is not None:
+                parts.append(e.detach().reshape(-1).to(torch.float32) * self.cfg.predivide)
+        return parts
 
     def state_dict(self) -> dict:
         return {}
