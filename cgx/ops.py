@@ -167,7 +167,7 @@ def _reduce(outs: list, op: ReduceOp, pre: float, post: float, name: str, comp,
     if comp is None or comp.kind is CompressorKind.NONE:
         red.allreduce(outs, None, op=op, prescale_factor=pre, postscale_factor=post, name=name)
     elif _quantized(comp, op):
-        spec = QuantSpec(comp.bits, comp.bucket_size, comp.rounding)
+        spec = QuantSpec(comp.bits, comp.bucket_size, comp.rounding, getattr(comp, "rotate", False))
         specs = [spec if t.dtype in FLOAT_DTYPES and t.numel() > 0 else None for t in outs]
         red.allreduce(outs, specs, op=op, prescale_factor=pre, postscale_factor=post, name=name)
     elif comp.summable:
@@ -297,7 +297,7 @@ def reducescatter_rows(tensor, op, pre, post, name, compression, group=None):
     red = session.reducer_of(group)
     check("reducescatter", name, group, op=op, prescale_factor=pre, postscale_factor=post,
           compression=comp, **tensor_fields([tensor]))
-    spec = QuantSpec(comp.bits, comp.bucket_size, comp.rounding) \
+    spec = QuantSpec(comp.bits, comp.bucket_size, comp.rounding, getattr(comp, "rotate", False)) \
         if comp is not None and comp.kind is CompressorKind.QUANTIZE else None
     t0 = time.perf_counter()
     cfg = red.config

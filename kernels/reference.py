@@ -39,6 +39,52 @@ def noise(key: int, index_offset: int, numel: int, device=None) -> torch.Tensor:
     return ((h >> (16 * ((pos >> 3) & 1))) & 0xFFFF).to(torch.float32) * (1.0 / (1 << 16))
 
 
+def rotation_signs(key: int, numel: int, device=None) -> torch.Tensor:
+    """float32 signs s_p (+1/-1) of positions 0 .. numel-1 (``wire.rotation_sign``)."""
+    pos = torch.arange(numel, dtype=torch.int64, device=device)
+    bit = (hash32(key, pos >> 5) >> (pos & 31)) & 1
+    return (1 - 2 * bit).to(torch.float32)
+
+
+def _butterflies(v: torch.Tensor) -> torch.Tensor:
+    """Unnormalized Walsh-Hadamard transform of each row of ``v`` ([k, m], m a power of
+    two): butterflies h = 1, 2, .., m/2, float32 (the order fixes the rounding)."""
+    k, m = v.shape
+    h = 1
+    while h < m:
+        pairs = v.reshape(k, m // (2 * h), 2, h)
+        a, b = pairs[:, :, 0, :], pairs[:, :, 1, :]
+        v = torch.stack([a + b, a - b], dim=2).reshape(k, m)
+        h *= 2
+    return v
+
+
+def rotate(v: torch.Tensor, bucket_size: int, key: int, inverse: bool = False) -> torch.Tensor:
+    """The randomized Hadamard rotation of ``wire`` on a 1-D float32 tensor (a new tensor).
+
+    Args:
+        v: values (float32; the rotated values when ``inverse``).
+        bucket_size: the segment's bucket size (fixes the blocks, ``wire.rotation_blocks``).
+        key: ``wire.rotation_key(...)``, the same for encoder and decoder.
+        inverse: undo a rotation (butterflies, then ``* 1/m``, then the signs).
+    """
+    n = v.numel()
+    signs = rotation_signs(key, n, v.device)
+    out = v.reshape(-1).to(torch.float32)
+    out = out.clone() if inverse else out * signs
+    r = wire.rotation_block(bucket_size)
+    full = n // r * r
+    spans = [(0, full, r)] if full else []
+    spans += [(start, start + m, m) for start, m in wire.rotation_blocks(n, bucket_size)
+              if start >= full]
+    for lo, hi, m in spans:
+        blocks = _butterflies(out[lo:hi].view(-1, m))
+        if inverse:
+            blocks = blocks * (1.0 / m)
+        out[lo:hi] = blocks.reshape(-1)
+    return out * signs if inverse else out
+
+
 def _bucket_stats(xf: torch.Tensor, bits: int, bucket_size: int):
     """Per-bucket (unit, lo, inv, nonfinite) following the wire format."""
     n = xf.numel()

@@ -80,6 +80,11 @@ class ReduceContext:
     def key(self, stage: int) -> int:
         return wire.noise_key(self.seed, self.step, self.buffer_id, stage)
 
+    @property
+    def rotation_key(self) -> int:
+        """Key of rotated specs: the same for every rank and stage, so decoded sums commute."""
+        return wire.rotation_key(self.seed, self.step, self.buffer_id)
+
     # -- piece-level helpers ---------------------------------------------------
 
     def values(self, p: Piece) -> torch.Tensor:
@@ -101,7 +106,8 @@ class ReduceContext:
             out = buf[base + p.byte_offset: base + p.byte_offset + p.nbytes]
             if self.residuals is None:
                 quantize(x, p.spec, out=out, key=key, index_offset=p.index,
-                         write_back=write_back, backend=self.backend, threads=self.threads)
+                         write_back=write_back, backend=self.backend, threads=self.threads,
+                         rotation_key=self.rotation_key)
                 continue
             e = self.residuals[p.segment][p.offset: p.offset + p.numel]
             if unit == 1.0:
@@ -111,7 +117,7 @@ class ReduceContext:
                 x.add_(e, alpha=unit)
                 e.copy_(x)
             quantize(x, p.spec, out=out, key=key, index_offset=p.index, write_back=True,
-                     backend=self.backend, threads=self.threads)
+                     backend=self.backend, threads=self.threads, rotation_key=self.rotation_key)
             e.sub_(x)  # e = v - decoded(v)
             if unit != 1.0:
                 e.div_(unit)
@@ -121,7 +127,7 @@ class ReduceContext:
         for p in pieces:
             dequantize(buf[base + p.byte_offset: base + p.byte_offset + p.nbytes], p.numel, p.spec,
                        out=self.values(p), accumulate=accumulate, backend=self.backend,
-                       threads=self.threads)
+                       threads=self.threads, rotation_key=self.rotation_key)
 
     def scale_meta(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int) -> None:
         """Multiply every bucket's (unit, min) in ``buf`` by ``scale``.

@@ -41,6 +41,13 @@ int cgx_dequantize(const uint8_t *payload, int64_t n, int bits, int64_t bucket_s
                    void *out, int dtype, int accumulate, int64_t bucket_begin,
                    int64_t bucket_end);
 
+/* Randomized Hadamard rotation (wire.py, "Rotation") of the float32 values v (n of
+ * them) in place, forward or inverse, with Hadamard blocks of `block` values (a power
+ * of two): units [unit_begin, unit_end) of the n / block full blocks, and unit
+ * n / block for the tail (when n % block != 0). Defined in rotate.c. */
+int cgx_rotate(float *v, int64_t n, int64_t block, uint32_t key, int inverse,
+               int64_t unit_begin, int64_t unit_end);
+
 /* Name of the code path in use ("avx2" or "generic"); the best one the CPU
  * supports is picked when the library is loaded. */
 const char *cgx_simd_path(void);

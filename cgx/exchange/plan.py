@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional, Sequence
 
@@ -140,6 +141,8 @@ class GradientPlan:
         self.specs = [layer_rules.spec_for(n, s) if mode not in (GradMode.EXACT,
                                                                   GradMode.SUMMABLE)
                       else None for n, s in zip(self.names, self.shapes)]
+        if getattr(getattr(comp, "compressor", comp), "rotate", False) is True:
+            self.specs = [s and dataclasses.replace(s, rotate=True) for s in self.specs]
         self.step = 0
         self.group = group
         self.residuals = ResidualStore(self.predivide)

@@ -6,6 +6,11 @@ One call, three implementations of the same wire format (``cgx.quant.wire``):
 * CPU tensors go through the fused C path (``cgx._cquant``), when it is built;
 * otherwise, or when asked, the plain-torch reference (``cgx.kernels.reference``).
 
+``QuantSpec(rotate=True)`` adds the randomized Hadamard rotation of the wire
+format (``wire``, "Rotation"): a separate pass of the same backend before
+encoding and after decoding, keyed by ``rotation_key`` (``wire.rotation_key``;
+encoder and decoder pass the same one).
+
 Example::
 
     spec = QuantSpec(bits=4, bucket_size=1024, rounding=Rounding.NEAREST)
@@ -47,11 +52,15 @@ class QuantSpec:
         bucket_size: values sharing one (unit, min) pair; multiple of 8.
         rounding: ``Rounding.NEAREST`` (error <= unit/2) or ``Rounding.STOCHASTIC``
             (unbiased, error < unit).
+        rotate: rotate the values (randomized Hadamard, ``wire``) before encoding and
+            back after decoding: outliers spread over their bucket, so low bit widths
+            lose less; the sizes are unchanged. Bounds hold for the rotated values.
     """
 
     bits: int = 4
     bucket_size: int = 1024
     rounding: Rounding = Rounding.STOCHASTIC
+    rotate: bool = False
 
     def __post_init__(self):
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) \
@@ -61,6 +70,8 @@ class QuantSpec:
         validate_bucket_size(self.bucket_size, "QuantSpec.bucket_size")
         if not isinstance(self.rounding, Rounding):
             raise ConfigError(f"QuantSpec.rounding must be a cgx.Rounding, got {self.rounding!r}")
+        if not isinstance(self.rotate, bool):
+            raise ConfigError(f"QuantSpec.rotate must be True or False, got {self.rotate!r}")
 
     @property
     def stochastic(self) -> bool:
@@ -131,12 +142,13 @@ def _resolve(backend, device: torch.device) -> Backend:
 
 def quantize(x: torch.Tensor, spec: QuantSpec, *, out: Optional[torch.Tensor] = None,
              key: int = 0, index_offset: int = 0, write_back: bool = False,
-             backend: Backend | str = Backend.AUTO, threads: int = 1) -> torch.Tensor:
+             backend: Backend | str = Backend.AUTO, threads: int = 1,
+             rotation_key: int = 0) -> torch.Tensor:
     """Quantize the values of ``x`` into a wire-format segment.
 
     Args:
         x: contiguous float32/float16/bfloat16 tensor (treated as 1-D).
-        spec: bits, bucket size, rounding.
+        spec: bits, bucket size, rounding, rotation.
         out: optional uint8 destination of at least ``spec.nbytes(x.numel())`` bytes
             (a slice of a fusion buffer, say); allocated when None.
         key: stochastic-rounding key (``wire.noise_key``); ignored for nearest.
@@ -144,6 +156,8 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, out: Optional[torch.Tensor] = 
         write_back: also overwrite ``x`` with the decoded values (fused requantize).
         backend: see :class:`Backend`.
         threads: CPU threads of the C path (split at bucket boundaries; ``CGX_CPU_THREADS``).
+        rotation_key: with ``spec.rotate``, the rotation's key (``wire.rotation_key``);
+            whoever decodes passes the same.
 
     Returns:
         The uint8 segment (``out`` or a new tensor), exactly ``spec.nbytes(n)`` bytes.
@@ -155,6 +169,19 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, out: Optional[torch.Tensor] = 
         _check_payload(out, n, spec)
         out = out[:nbytes]
     impl = _resolve(backend, x.device)
+    if not spec.rotate or n == 0:
+        return _encode(x, spec, out, key, index_offset, write_back, impl, threads)
+    v = x.reshape(-1).to(torch.float32, copy=True)
+    _rotate(v, spec, rotation_key, False, impl, threads)
+    out = _encode(v, spec, out, key, index_offset, write_back, impl, threads)
+    if write_back:
+        _rotate(v, spec, rotation_key, True, impl, threads)
+        x.view(-1).copy_(v)
+    return out
+
+
+def _encode(x, spec, out, key, index_offset, write_back, impl, threads) -> torch.Tensor:
+    """The backend's quantize, without rotation."""
     if impl is Backend.C:
         from cgx.quant import cpu
         return cpu.quantize(x, spec.bits, spec.bucket_size, spec.stochastic, key, index_offset,
@@ -172,20 +199,36 @@ def quantize(x: torch.Tensor, spec: QuantSpec, *, out: Optional[torch.Tensor] = 
     return out
 
 
+def _rotate(v: torch.Tensor, spec: QuantSpec, key: int, inverse: bool, impl: Backend,
+            threads: int) -> None:
+    """The backend's rotation of the float32 values ``v``, in place."""
+    if impl is Backend.C:
+        from cgx.quant import cpu
+        cpu.rotate(v, spec.bucket_size, key, inverse, threads=threads)
+    elif impl is Backend.TRITON:
+        from cgx.kernels import rotate
+        rotate.rotate(v, spec.bucket_size, key, inverse)
+    else:
+        from cgx.kernels import reference
+        v.copy_(reference.rotate(v, spec.bucket_size, key, inverse))
+
+
 def dequantize(payload: torch.Tensor, numel: int, spec: QuantSpec, *,
                out: Optional[torch.Tensor] = None, accumulate: bool = False,
                dtype: torch.dtype = torch.float32,
-               backend: Backend | str = Backend.AUTO, threads: int = 1) -> torch.Tensor:
+               backend: Backend | str = Backend.AUTO, threads: int = 1,
+               rotation_key: int = 0) -> torch.Tensor:
     """Decode ``numel`` values from a segment made by :func:`quantize`.
 
     Args:
         payload: uint8 segment.
         numel: number of values it holds.
-        spec: the spec it was made with (bits and bucket size must match).
+        spec: the spec it was made with (bits, bucket size and rotation must match).
         out: optional contiguous float destination of ``numel`` values.
         accumulate: add the decoded values to ``out`` (computed in float32)
             instead of overwriting it; this is the receive side of a reduction.
         dtype: dtype of a newly allocated ``out``.
+        rotation_key: with ``spec.rotate``, the key the payload was rotated with.
 
     Returns:
         ``out`` (or a new tensor of ``dtype``).
@@ -202,6 +245,18 @@ def dequantize(payload: torch.Tensor, numel: int, spec: QuantSpec, *,
         if out.device != payload.device:
             raise ValueError(f"out is on {out.device} but payload on {payload.device}")
     impl = _resolve(backend, payload.device)
+    if not spec.rotate or numel == 0:
+        return _decode(payload, numel, spec, out, accumulate, impl, threads)
+    v = _decode(payload, numel, spec, torch.empty(numel, dtype=torch.float32,
+                                                  device=payload.device), False, impl, threads)
+    _rotate(v, spec, rotation_key, True, impl, threads)
+    flat = out.view(-1)
+    flat.copy_(flat.to(torch.float32) + v if accumulate else v)
+    return out
+
+
+def _decode(payload, numel, spec, out, accumulate, impl, threads) -> torch.Tensor:
+    """The backend's dequantize, without rotation."""
     if impl is Backend.C:
         from cgx.quant import cpu
         return cpu.dequantize(payload, numel, spec.bits, spec.bucket_size, out, accumulate,

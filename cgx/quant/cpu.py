@@ -68,6 +68,8 @@ def _load() -> Optional[ctypes.CDLL]:
             lib.cgx_quantize.restype = c_int
             lib.cgx_dequantize.argtypes = [ptr, i64, c_int, i64, ptr, c_int, c_int, i64, i64]
             lib.cgx_dequantize.restype = c_int
+            lib.cgx_rotate.argtypes = [ptr, i64, i64, u32, c_int, i64, i64]
+            lib.cgx_rotate.restype = c_int
             lib.cgx_simd_path.argtypes = []
             lib.cgx_simd_path.restype = ctypes.c_char_p
             lib.cgx_set_simd_path.argtypes = [c_int]
@@ -277,3 +279,36 @@ def dequantize(payload: torch.Tensor, numel: int, bits: int, bucket_size: int,
 
     _run(piece, nb, numel, bucket_size, threads)
     return out
+
+
+def rotate(v: torch.Tensor, bucket_size: int, key: int, inverse: bool = False, *,
+           threads: int = 1) -> torch.Tensor:
+    """The randomized Hadamard rotation of ``wire`` ("Rotation"), in place.
+
+    Args:
+        v: contiguous float32 CPU values (rotated values when ``inverse``).
+        bucket_size: the segment's bucket size (fixes the Hadamard blocks).
+        key: ``wire.rotation_key(...)`` (taken mod 2**32).
+        inverse: undo a rotation.
+        threads: blocks processed concurrently (1 = the calling thread only).
+
+    Returns:
+        ``v``.
+    """
+    lib = _require()
+    if _check_values(v, "v") != _DTYPE_CODES[torch.float32]:
+        raise TypeError(f"v has dtype {v.dtype}; the rotation runs on float32 values")
+    _check_layout(1, bucket_size)
+    _check_threads(threads)
+    n = v.numel()
+    block = wire.rotation_block(bucket_size)
+    units = n // block + (n % block != 0)
+    if n == 0:
+        return v
+    vp, key32 = v.data_ptr(), int(key) & wire.MASK32
+
+    def piece(u0: int, u1: int) -> int:
+        return lib.cgx_rotate(vp, n, block, key32, int(bool(inverse)), u0, u1)
+
+    _run(piece, units, n, bucket_size, threads)
+    return v

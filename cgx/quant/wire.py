@@ -52,6 +52,33 @@ rounding on CPU; 16 bits of noise bias the rounding probability by less than
 
 ``key`` comes from :func:`noise_key` (seed, step, tensor id, stage).
 
+Rotation (``QuantSpec.rotate``, optional): a randomized Walsh-Hadamard transform
+of the values before encoding, inverted after decoding. It spreads a bucket's
+outliers over the bucket, so the range max - min (hence the unit) shrinks at
+low bit widths. The layout and the arithmetic above are unchanged: the codes
+and meta describe the rotated values ``v``; every rank derives the transform
+from the spec and a ``rotation_key`` (one for every rank and stage of a
+reduction, see :func:`rotation_key`), so it never travels::
+
+    R      = min(bucket_size & -bucket_size, ROTATION_MAX_BLOCK)   power of two
+    blocks = [0, R), [R, 2R), ... while whole; the last n % R values are cut
+             into power-of-two blocks, largest first (binary digits of n % R)
+    s_p    = -1 if bit (p & 31) of hash32(rotation_key, p >> 5) is set, else +1
+    encode: v = float32(x) * s, then per block of m values the butterflies
+            h = 1, 2, 4, .., m/2: (v[i], v[i+h]) = (v[i] + v[i+h], v[i] - v[i+h])
+            for every i with i & h == 0 (block-relative), float32
+    decode: w = decoded v, the same butterflies per block, then
+            x' = (w * float32(1/m)) * s        (1/m exact: m is a power of two)
+
+R divides the bucket size, so no block straddles two buckets. The transform is
+unnormalized (|v| grows by about sqrt(m)): it is linear, and max-min
+quantization is affine, so only ``1/m`` on the way back is needed, an exact
+power of two. Sums commute with it: decoding W payloads rotated with the same
+key and summing them in the rotated domain equals summing the decoded ones
+(up to float32 rounding). A non-finite value makes its whole block non-finite,
+so its bucket decodes to NaN (as without rotation); finite values above
+``FLT_MAX / m`` may overflow to inf there too.
+
 Standalone payloads (files, tests, debugging) may carry a 16-byte header, see
 :func:`pack_header`; inside collectives segments are headerless because every
 rank derives the same layout from the agreed plan, which records
@@ -72,7 +99,11 @@ HASH_MUL_1 = 0x85EBCA6B
 HASH_MUL_2 = 0xC2B2AE35
 MASK32 = 0xFFFFFFFF
 
-_HEADER = struct.Struct("<4sBBBBIi")  # magic, version, bits, rounding, reserved, bucket, numel
+ROTATION_MAX_BLOCK = 4096  # widest Hadamard block (one GPU tile)
+ROTATION_STAGE = MASK32  # the noise_key stage of rotation keys (no quantization stage uses it)
+FLAG_ROTATED = 1  # header flags: the values were rotated before encoding
+
+_HEADER = struct.Struct("<4sBBBBIi")  # magic, version, bits, rounding, flags, bucket, numel
 HEADER_BYTES = _HEADER.size
 _MAGIC = b"CGXQ"
 
@@ -133,11 +164,54 @@ def noise_key(seed: int, step: int = 0, tensor_id: int = 0, stage: int = 0) -> i
     return h
 
 
-def pack_header(numel: int, bits: int, bucket_size: int, rounding_code: int) -> bytes:
-    """16-byte header for a standalone payload: b'CGXQ', version, bits, rounding, 0, bucket, numel."""
+def rotation_key(seed: int, step: int = 0, tensor_id: int = 0) -> int:
+    """The rotation key of (seed, step, tensor id): one for every rank and every stage, so
+    the payloads of all ranks are rotated alike (their decoded sums commute with it)."""
+    return noise_key(seed, step, tensor_id, ROTATION_STAGE)
+
+
+def rotation_block(bucket_size: int) -> int:
+    """R: the largest power of two dividing ``bucket_size``, at most ROTATION_MAX_BLOCK."""
+    return min(bucket_size & -bucket_size, ROTATION_MAX_BLOCK)
+
+
+def rotation_blocks(numel: int, bucket_size: int) -> list[tuple[int, int]]:
+    """(start, size) of every Hadamard block of a segment, in order (module docstring)."""
+    r = rotation_block(bucket_size)
+    full = numel // r * r
+    blocks = [(start, r) for start in range(0, full, r)]
+    tail, start = numel - full, full
+    for k in reversed(range(r.bit_length())):
+        if tail >> k & 1:
+            blocks.append((start, 1 << k))
+            start += 1 << k
+    return blocks
+
+
+def rotation_sign(key: int, position: int) -> int:
+    """Scalar sign s_p (+1 or -1) of the value at ``position`` (module docstring)."""
+    return -1 if hash32(key, position >> 5) >> (position & 31) & 1 else 1
+
+
+def pack_header(numel: int, bits: int, bucket_size: int, rounding_code: int,
+                flags: int = 0) -> bytes:
+    """16-byte header for a standalone payload: b'CGXQ', version, bits, rounding, flags,
+    bucket, numel; ``flags``: FLAG_ROTATED when the values were rotated (whoever decodes
+    needs the rotation key too)."""
     if numel >= 1 << 31:
         raise ValueError(f"a standalone header holds numel < 2**31, got {numel}")
-    return _HEADER.pack(_MAGIC, WIRE_VERSION, bits, rounding_code, 0, bucket_size, numel)
+    if flags & ~FLAG_ROTATED:
+        raise ValueError(f"unknown header flags {flags:#x}; known: FLAG_ROTATED")
+    return _HEADER.pack(_MAGIC, WIRE_VERSION, bits, rounding_code, flags, bucket_size, numel)
+
+
+def header_flags(data: bytes) -> int:
+    """The flags of a header made by :func:`pack_header` (after :func:`unpack_header`)."""
+    flags = _HEADER.unpack(data[:HEADER_BYTES])[4]
+    if flags & ~FLAG_ROTATED:
+        raise ValueError(f"cgx payload has unknown header flags {flags:#x}: it was written "
+                         "by a newer cgx; use the same cgx version on both ends")
+    return flags
 
 
 def unpack_header(data: bytes) -> tuple[int, int, int, int]:

@@ -48,7 +48,8 @@ def compression_to_config(comp: Any) -> Optional[dict]:
                 "assume_gbit": comp.assume_gbit}
     if isinstance(comp, QuantizeCompressor):
         return {"type": "quantize", "bits": comp.bits, "bucket_size": comp.bucket_size,
-                "rounding": comp.rounding.value, "seed": comp.seed}
+                "rounding": comp.rounding.value, "seed": comp.seed,
+                **({"rotate": True} if comp.rotate else {})}
     if isinstance(comp, TopKCompressor):
         return {"type": "topk", "density": comp.density}
     if isinstance(comp, PowerSGDCompressor):
