@@ -287,3 +287,65 @@ def test_dcp_round_trip_continues_bit_exactly_in_fresh_processes(tmp_path):
         # without the residuals and step counters the continuation differs: what the test sees
         assert any(not torch.equal(p, r["without"][name]) for name, p in w.items()
                    if name != "0.bias")
+
+
+# -- mixed precision and one rank's overflow ---------------------------------------------------
+
+def _mixed_and_overflow(rank, world):
+    import cgx.torch as hvd
+    import cgx.torch.fsdp as cfsdp
+    from cgx.collectives.sharded import Levels, ShardState, reduce_scatter_flat
+    from cgx.quant.codec import QuantSpec
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    hvd.init()
+    out = {}
+    q8 = hvd.Compression.quantize(bits=8, error_feedback=True)
+    for label, mp, comp in [
+            ("plain bf16/fp32", MixedPrecisionPolicy(torch.bfloat16, torch.float32), None),
+            ("8bit bf16/fp32", MixedPrecisionPolicy(torch.bfloat16, torch.float32), q8),
+            ("8bit bf16/bf16", MixedPrecisionPolicy(torch.bfloat16), q8)]:
+        model = _shard(_mlp(), mp)
+        if comp is not None:
+            cfsdp.compress(model, compression=comp)
+        _, out[label] = _train(model, rank, STEPS)
+    # One rank's overflow (a GradScaler-like loop skips steps with non-finite gradients)
+    model = _shard(_mlp())
+    state = cfsdp.compress(model, compression=q8)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    out["skipped"] = []
+    for step in range(STEPS):
+        loss = model(_batch(rank, step)).square().mean()
+        (loss * (float("inf") if step == 1 and rank == 1 else 1.0)).backward()
+        found = any(not torch.isfinite(p.grad.to_local()).all() for p in model.parameters()
+                    if p.grad is not None)
+        out["skipped"].append(found)
+        if not found:
+            opt.step()
+        opt.zero_grad()
+    out["residuals finite"] = all(torch.isfinite(r).all() for s in state.groups.values()
+                                  for rs in s.residuals.values() for r in rs)
+    # An inf only in this rank's own chunk (it never travels) still reaches every rank
+    x = torch.randn(world * 40, generator=torch.Generator().manual_seed(rank))
+    if rank == 1:
+        x[40 + 3] = float("inf")
+    mine, s = torch.empty(40), ShardState()
+    reduce_scatter_flat(x, mine, _world(), Levels(
+        QuantSpec(8, 16), error_feedback=True), s, average=True)
+    out["own chunk inf"] = (bool(torch.isfinite(mine).all()),
+                            all(bool(torch.isfinite(r).all()) for r in s.residuals[world * 40]))
+    return out
+
+
+def _world():
+    from cgx import runtime
+    return runtime.transport()
+
+
+def test_mixed_precision_and_one_rank_overflow():
+    for out in run_gloo(_mixed_and_overflow, 2):
+        plain = out["plain bf16/fp32"]
+        for label in ("8bit bf16/fp32", "8bit bf16/bf16"):
+            assert all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(out[label], plain)), label
+        assert out["skipped"] == [False, True, False, False]  # on every rank
+        assert out["residuals finite"]
+        assert out["own chunk inf"] == (False, True)
