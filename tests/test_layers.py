@@ -29,6 +29,7 @@ LAYERS = (
     ("session", ("cgx.session", "cgx.capabilities")),
     ("deciders", ("cgx.adaptive", "cgx.planner")),
     ("exchange", ("cgx.exchange", "cgx.ops")),
+    ("local steps", ("cgx.diloco",)),
     ("adapters", ("cgx.torch", "cgx.tensorflow", "cgx")),
     ("deprecated paths", ("cgx.run", "cgx.launcher", "cgx.rendezvous",
                           "cgx.collectives.functional", "cgx.grad_plan")),

@@ -40,6 +40,8 @@ from cgx.torch.ops import (allgather, allgather_async, allreduce, allreduce_, al
                            synchronize)
 from cgx.torch.compat import HorovodInternalError, check_extension, compression, elastic
 from cgx.torch.optimizer import DistributedOptimizer
+from cgx.torch.diloco import DiLoCo
+from cgx.diloco import OuterSGD
 from cgx.torch.sync_batch_norm import SyncBatchNorm
 from cgx.torch.tensorboard import StatsLogger
 
@@ -71,5 +73,5 @@ __all__ = [
     "StatsLogger", "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "sparse_allreduce_async", "HorovodInternalError",
     "SyncBatchNorm", "add_process_set", "remove_process_set", "check_extension", "compression",
-    "elastic",
+    "elastic", "DiLoCo", "OuterSGD",
 ]
