@@ -43,11 +43,9 @@ def _flip_signs(v, pos, key):
 @triton.jit
 def _butterflies(v, ROWS: tl.constexpr, BLOCK: tl.constexpr, LOG: tl.constexpr):
     """Unnormalized Walsh-Hadamard transform of each row, stages h = 1, 2, .., BLOCK/2."""
-    for s in tl.static_range(LOG):
-        H: tl.constexpr = 1 << s
-        M: tl.constexpr = ROWS * BLOCK // (2 * H)
-        pairs = tl.permute(tl.reshape(v, (M, 2, H)), (0, 2, 1))  # [M, H, 2]
-        a, b = tl.split(pairs)
+    for s in tl.static_range(LOG):  # stage h = 2**s: [M, 2, h] pairs, M = ROWS * BLOCK / 2h
+        pairs = tl.permute(tl.reshape(v, (ROWS * BLOCK // (2 << s), 2, 1 << s)), (0, 2, 1))
+        a, b = tl.split(pairs)  # [M, h] each
         v = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (ROWS, BLOCK))
     return v
 

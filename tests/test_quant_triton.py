@@ -236,6 +236,11 @@ _COMPILE_FOR_CUDA = textwrap.dedent('''
                                                   out_ptr=out_ptr), BITS=5, BUCKET=64,
                    BLOCK=64, ROWS=4, BITS_P2=8, ACCUMULATE=True, BF16=bf16)
         assert "fma." not in code
+    from cgx.kernels import rotate as trot
+    for block, rows in ((1024, 4), (1, 1)):  # the Hadamard rotation, a full tile and a tail
+        code = ptx(trot._rotate_kernel, dict(v_ptr="*fp32", start=1, num_blocks=1, key=1),
+                   BLOCK=block, LOG=block.bit_length() - 1, ROWS=rows, INVERSE=True)
+        assert "fma." not in code
     print("compiled")
 ''')
 
@@ -261,6 +266,31 @@ def test_gpu_large_bit_exact(dtype):
         for stochastic in (False, True):
             _check_all_ops(x, bits, 1024, stochastic, torch.device("cuda"), key=bits,
                            index_offset=2**32 - n // 2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_rotated_bit_exact(dtype):
+    from cgx.config import Rounding
+    from cgx.quant.codec import QuantSpec, dequantize, quantize
+    n = (1 << 20) + 4099  # a tail of power-of-two blocks
+    x = randn(n, seed=10, dtype=dtype)
+    for bits, bucket, rounding in ((2, 1024, Rounding.STOCHASTIC), (4, 8192, Rounding.NEAREST)):
+        spec = QuantSpec(bits, bucket, rounding, rotate=True)
+        kw = dict(key=bits, index_offset=7, rotation_key=2**31 + bits)
+        expect = quantize(x.clone(), spec, backend="torch", **kw)
+        assert_same_payload(quantize(x.cuda(), spec, **kw).cpu(), expect, n, bucket)
+        y_ref, y = x.clone(), x.cuda()
+        quantize(y_ref, spec, backend="torch", write_back=True, **kw)
+        quantize(y, spec, write_back=True, **kw)
+        assert_same_values(y.cpu(), y_ref)
+        acc = randn(n, seed=11, dtype=dtype)
+        acc_ref = dequantize(expect, n, spec, out=acc.clone(), accumulate=True,
+                             backend="torch", rotation_key=kw["rotation_key"])
+        acc_t = dequantize(expect.cuda(), n, spec, out=acc.cuda(), accumulate=True,
+                           rotation_key=kw["rotation_key"])
+        assert_same_values(acc_t.cpu(), acc_ref)
 
 
 @pytest.mark.gpu
