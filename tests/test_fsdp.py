@@ -349,3 +349,60 @@ def test_mixed_precision_and_one_rank_overflow():
         assert out["skipped"] == [False, True, False, False]  # on every rank
         assert out["residuals finite"]
         assert out["own chunk inf"] == (False, True)
+
+
+# -- hierarchical: 8 bits inside a host, 4 between hosts (2 hosts x 2 ranks) ------------------
+
+def _two_hosts(rank, world):
+    import os
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2),
+                      LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2), GROUP_WORLD_SIZE="2")
+    import cgx.torch as hvd
+    import cgx.torch.fsdp as cfsdp
+    from cgx import runtime
+    from cgx.collectives.sharded import Levels, ShardState, Topology, reduce_scatter_flat
+    from cgx.quant.codec import QuantSpec
+    hvd.init()
+    out = {}
+    tr, local, cross = runtime.transport(), runtime.local_transport(), runtime.cross_transport()
+    topo = Topology.of(tr, local, cross)
+    m = 1000
+    x = torch.randn(world * m, generator=torch.Generator().manual_seed(rank))
+    for label, levels in [("exact", Levels(None, None)),
+                          ("8/4", Levels(QuantSpec(8, 128), QuantSpec(4, 128)))]:
+        mine = torch.empty(m)
+        before = (local.sent_bytes().total, cross.sent_bytes().total)
+        reduce_scatter_flat(x, mine, tr, levels, ShardState(), average=True, topology=topo)
+        out[label] = (mine, local.sent_bytes().total - before[0],
+                      cross.sent_bytes().total - before[1])
+    plain = _shard(_mlp())
+    _, out["plain"] = _train(plain, rank, STEPS)
+    model = _shard(_mlp())
+    cfsdp.compress(model, compression=hvd.Compression.quantize(bits=8, error_feedback=True),
+                   cross_compression=hvd.Compression.quantize(bits=4, error_feedback=True))
+    _, out["hier"] = _train(model, rank, STEPS)
+    out["order"] = topo.order
+    return out
+
+
+def test_hierarchical_8bit_inside_hosts_4bit_between():
+    world, m = 4, 1000
+    outs = run_gloo(_two_hosts, world)
+    xs = [torch.randn(world * m, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    mean = sum(xs) / world
+    for rank, out in enumerate(outs):
+        assert out["order"] == (0, 2, 1, 3)  # local position 0 on hosts 0, 1; then position 1
+        mine = mean[rank * m:(rank + 1) * m]
+        exact, local_b, cross_b = out["exact"]
+        torch.testing.assert_close(exact, mine, rtol=1e-6, atol=1e-6)
+        assert local_b == 2 * m * 4 and cross_b == m * 4  # half of each stage's input moves
+        q, q_local, q_cross = out["8/4"]
+        # stochastic rounding: < one unit per quantization; one 8-bit (a peer's values on
+        # this host), one 4-bit (the other host's partial sum), then / W
+        unit8 = max(float(x.max() - x.min()) for x in xs) / 255
+        unit4 = max(float((xs[h] + xs[h + 1]).max() - (xs[h] + xs[h + 1]).min())
+                    for h in (0, 2)) / 15
+        assert 0 < (q - mine).abs().max() < (unit8 + unit4) / world
+        assert q_local < local_b / 3.5 and q_cross < cross_b / 7
+        # the model trains as plain FSDP2 does (4 bits between hosts: within 10% at 4 steps)
+        assert all(abs(a - b) <= 0.1 * abs(b) for a, b in zip(out["hier"], out["plain"]))
