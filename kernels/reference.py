@@ -75,8 +75,7 @@ def rotate(v: torch.Tensor, bucket_size: int, key: int, inverse: bool = False) -
     r = wire.rotation_block(bucket_size)
     full = n // r * r
     spans = [(0, full, r)] if full else []
-    spans += [(start, start + m, m) for start, m in wire.rotation_blocks(n, bucket_size)
-              if start >= full]
+    spans += [(start, start + m, m) for start, m in wire.rotation_tail(n, bucket_size)]
     for lo, hi, m in spans:
         blocks = _butterflies(out[lo:hi].view(-1, m))
         if inverse:

@@ -178,11 +178,17 @@ def rotation_block(bucket_size: int) -> int:
 def rotation_blocks(numel: int, bucket_size: int) -> list[tuple[int, int]]:
     """(start, size) of every Hadamard block of a segment, in order (module docstring)."""
     r = rotation_block(bucket_size)
-    full = numel // r * r
-    blocks = [(start, r) for start in range(0, full, r)]
-    tail, start = numel - full, full
+    return [(start, r) for start in range(0, numel // r * r, r)] + \
+        rotation_tail(numel, bucket_size)
+
+
+def rotation_tail(numel: int, bucket_size: int) -> list[tuple[int, int]]:
+    """(start, size) of the blocks after the last whole one: powers of two, largest first."""
+    r = rotation_block(bucket_size)
+    start = numel // r * r
+    blocks = []
     for k in reversed(range(r.bit_length())):
-        if tail >> k & 1:
+        if (numel - numel // r * r) >> k & 1:
             blocks.append((start, 1 << k))
             start += 1 << k
     return blocks
