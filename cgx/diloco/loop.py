@@ -142,14 +142,19 @@ class OuterLoop:
 
     # -- the steps -----------------------------------------------------------------------
 
-    def average_gradients(self, grads: list) -> list:
-        """Warm-up: ``grads`` averaged over the ranks (synchronous data parallel)."""
+    def average_gradients(self, grads: list, step: Optional[int] = None) -> list:
+        """Warm-up: ``grads`` (owned by the caller, overwritten) averaged over the ranks,
+        synchronous data parallel. ``step``: the inner steps done (default: as counted)."""
+        step = self.state.step if step is None else int(step)
         return session.run(self.warmup_plan.reduce, grads, name=f"{self.label}.warmup",
-                           step=self.state.step, label=f"{self.label}.warmup")
+                           step=step, label=f"{self.label}.warmup")
 
-    def before_inner_step(self, access: ParamAccess) -> None:
+    def before_inner_step(self, access: ParamAccess, step: Optional[int] = None) -> None:
         """At the first local step: the anchors become rank 0's parameters (broadcast),
-        and so do the parameters themselves."""
+        and so do the parameters themselves. ``step``: the inner steps done (default:
+        as counted here)."""
+        if step is not None:
+            self.state.step = int(step)
         if self.state.anchors is not None or self.in_warmup:
             return
         values = [v.detach().to(torch.float32, copy=True).contiguous()

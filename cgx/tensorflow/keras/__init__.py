@@ -48,6 +48,8 @@ from cgx.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo
                               is_homogeneous, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from cgx.tensorflow.keras import callbacks
 from cgx.tensorflow.keras.optimizer import DistributedOptimizer
+from cgx.tensorflow.keras.diloco import DiLoCo
+from cgx.diloco import OuterSGD
 from cgx.tensorflow.keras.loss_scale import LossScaleOptimizer, install_global_overflow_check
 from cgx.tensorflow.keras.loss_scale import distributed_inside as _distributed_inside
 
@@ -115,6 +117,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
         return model
     # Saved distributed (mixed precision: a loss-scale optimizer around one): keep it.
     inner = _distributed_inside(opt)
+    if isinstance(opt, DiLoCo):  # exchanges on its own: not wrapped again
+        return model
     if inner is not None:
         if compression is not Compression.none:
             inner.set_compression(compression)
@@ -136,4 +140,5 @@ __all__ = [
     "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built", "is_homogeneous",
     "allreduce", "allgather", "broadcast", "barrier", "broadcast_variables", "broadcast_object",
     "allgather_object", "DistributedOptimizer", "LossScaleOptimizer", "load_model", "callbacks",
+    "DiLoCo", "OuterSGD",
 ]
