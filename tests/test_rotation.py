@@ -281,3 +281,4 @@ def test_allreduce_and_reduce_scatter_on_2_ranks():
     err_rs = {r: sum((o[("rs", r)] - rows[30 * k: 30 * k + 30]).norm() for k, o in
                      enumerate(outs)) for r in (False, True)}
     assert 0 < err_rs[True] < 0.5 * err_rs[False]
+

@@ -71,7 +71,8 @@ class BF16Compressor(_TFCast, core.BF16Compressor):
 
 class Compression(core.Compression):
     """``horovod.tensorflow.Compression``: ``none``, ``fp16`` (and cgx's ``exact``, ``bf16``,
-    ``quantize``, ``topk``, ``powersgd``, ``auto``)."""
+    ``quantize``, ``topk``, ``powersgd``, ``auto``). ``quantize(..., rotate=True)`` is the
+    core's rotated quantizer: the Keras exchange reduces with the same specs."""
 
     none = NoneCompressor
     exact = ExactCompressor
