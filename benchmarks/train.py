@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.timetoacc import methods as M  # noqa: E402
 from benchmarks.timetoacc import report  # noqa: E402
+from benchmarks.timetoacc.methods_diloco import DILOCO_METHODS  # noqa: E402
 from benchmarks.timetoacc.workloads import WORKLOADS  # noqa: E402
 
 STEPS = {"cnn": 100, "lm": 200}
@@ -45,6 +46,7 @@ STUDY_METHODS = ("ddp-fp32", "cgx-8bit", "cgx-8bit-ef", "cgx-4bit", "cgx-4bit-ef
                  "cgx-2bit-ef", "cgx-auto")
 HOSTS_METHODS = ("ddp-fp32", "horovod-fp32", "cgx-4bit", "cgx-4bit-flat")
 TOPOLOGIES = {"2": (2, 1), "4": (4, 1), "2x2": (4, 2)}  # name -> (ranks, ranks per host)
+SLOW_LINK_METHODS = ("ddp-fp32", "cgx-4bit", *DILOCO_METHODS)  # --rates 100mbit in --suite
 
 
 def horovod_available() -> tuple[bool, str]:
@@ -81,6 +83,8 @@ def plan_runs(args) -> list[dict[str, Any]]:
         add(WORKLOADS, "2", ("none",), (0, 1, 2), STUDY_METHODS, "study")
         add(("cnn",), "2", ("10gbit",), (0,), M.DEFAULT_METHODS, "time")
         add(("lm",), "2", ("none",), (0,), M.DEFAULT_METHODS, "time")
+        # Slow links: local steps (DiLoCo, post-local SGD) against per-step compression.
+        add(("lm", "cnn"), "2", ("100mbit",), (0, 1, 2), SLOW_LINK_METHODS, "time")
     elif args.study:
         add(args.workloads, args.topology, ("none",), args.seeds or (0, 1, 2),
             args.methods or STUDY_METHODS, "study")

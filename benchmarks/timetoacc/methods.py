@@ -9,6 +9,8 @@ Names:
     cgx-auto                                               compression="auto" (per-layer levels)
     cgx-planned[-sfb]                                      Compression.planned(): exact or 4-bit
         per tensor, as cgx.planner predicts is fastest on the measured link
+    cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming, torch-postlocal-sgd[-h<N>]
+        local steps with periodic outer updates (benchmarks/timetoacc/methods_diloco.py)
 
 Every method reports the bytes it accounts for (cgx: its own statistics;
 the others: the ring-allreduce formula of what they send), next to what the
@@ -34,10 +36,13 @@ _FIXED = {"ddp-fp32", "ddp-fp16", "ddp-powersgd-r1", "ddp-powersgd-r4", "horovod
 
 def check(name: str) -> str:
     """The name, if it is a method; ValueError naming the choices otherwise."""
-    if name in _FIXED or _CGX.match(name):
+    from benchmarks.timetoacc import methods_diloco  # cgx-diloco-*, torch-postlocal-sgd
+    if name in _FIXED or _CGX.match(name) or methods_diloco.handles(name):
         return name
     raise ValueError(f"unknown method {name!r}; choose from {sorted(_FIXED)}, "
-                     "cgx-<1..8>bit[-ef][-sfb][-flat], cgx-auto[-flat] or cgx-planned[-sfb][-flat]")
+                     "cgx-<1..8>bit[-ef][-sfb][-flat], cgx-auto[-flat], cgx-planned[-sfb][-flat], "
+                     "cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming or "
+                     "torch-postlocal-sgd[-h<N>]")
 
 
 def family(name: str) -> str:
@@ -76,6 +81,9 @@ def powersgd_values(model, rank: int, min_rate: float = 2.0) -> int:
 def build(name: str, model, make_optimizer, world: int) -> Setup:
     check(name)
     params = sum(p.numel() for p in model.parameters())
+    from benchmarks.timetoacc import methods_diloco
+    if methods_diloco.handles(name):
+        return methods_diloco.build(name, model, make_optimizer, world)
     if name.startswith("ddp"):
         return _ddp(name, model, make_optimizer, world, params)
     if name.startswith("horovod"):

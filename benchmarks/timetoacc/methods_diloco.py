@@ -1,0 +1,78 @@
+"""Low-communication methods: DiLoCo through cgx, and PyTorch's post-local SGD.
+
+Names:
+    cgx-diloco-h<N>        cgx.torch.DiLoCo, H = N inner steps per outer step (the workload's
+                           optimizer inside, Nesterov outer SGD lr 0.7 / momentum 0.9, outer
+                           gradients 4-bit with error feedback)
+    cgx-diloco-auto        the same, H chosen from the measured link and step time
+    cgx-diloco-streaming   Streaming DiLoCo: H = 50 in 5 fragments, each exchange overlapping
+                           the next inner step
+    torch-postlocal-sgd[-h<N>]  torch.distributed's PostLocalSGDOptimizer with a
+                           PeriodicModelAverager (parameters averaged exactly every N = 50
+                           steps, no outer optimizer)
+
+cgx counts its own bytes (``hvd.stats()``); post-local SGD is counted as one ring
+allreduce of every parameter (float32) per averaging.
+"""
+
+from __future__ import annotations
+
+import re
+
+from benchmarks.timetoacc.methods import Setup, ring_bytes
+
+DILOCO_METHODS = ("cgx-diloco-h50", "cgx-diloco-auto", "cgx-diloco-streaming",
+                  "torch-postlocal-sgd")
+_NAME = re.compile(r"^(?:cgx-diloco-(?:h(?P<h>[1-9][0-9]*)|(?P<mode>auto|streaming))"
+                   r"|torch-postlocal-sgd(?:-h(?P<ph>[1-9][0-9]*))?)$")
+STREAMING = {"sync_every": 50, "fragments": 5, "delay": 1}
+POSTLOCAL_PERIOD = 50
+
+
+def handles(name: str) -> bool:
+    """Is ``name`` one of this module's methods?"""
+    return _NAME.match(name) is not None
+
+
+def build(name: str, model, make_optimizer, world: int) -> Setup:
+    m = _NAME.match(name)
+    if m is None:
+        raise ValueError(f"not a low-communication method: {name!r}")
+    if name.startswith("torch-postlocal-sgd"):
+        return _postlocal(model, make_optimizer, world, int(m.group("ph") or POSTLOCAL_PERIOD))
+    import cgx.torch as hvd
+    hvd.init()
+    if m.group("h"):
+        kwargs = {"sync_every": int(m.group("h"))}
+    elif m.group("mode") == "auto":
+        kwargs = {"sync_every": "auto"}
+    else:
+        kwargs = dict(STREAMING)
+    opt = hvd.DiLoCo(model, make_optimizer(model.parameters()), **kwargs)
+    start = hvd.stats()
+
+    def accounted(steps: int) -> float:
+        return hvd.stats().wire_bytes - start.wire_bytes
+
+    def compression_seconds() -> float:
+        now = hvd.stats().seconds
+        return sum(now.get(k, 0.0) - start.seconds.get(k, 0.0) for k in ("compress", "decompress"))
+
+    def plan():
+        c = opt.choice
+        return None if c is None else (f"H={c.sync_every} from a {c.step_s * 1e3:.1f} ms step "
+                                       f"and a {sum(c.fragment_s):.3f} s exchange per round")
+
+    c = opt.config
+    return Setup(model, opt, accounted, compression_seconds, plan=plan,
+                 note=f"H={c.sync_every}, {c.fragments} fragment(s), delay {c.delay}")
+
+
+def _postlocal(model, make_optimizer, world: int, period: int) -> Setup:
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+    opt = PostLocalSGDOptimizer(make_optimizer(model.parameters()),
+                                PeriodicModelAverager(period=period, warmup_steps=0))
+    params = sum(p.numel() for p in model.parameters())
+    return Setup(model, opt, lambda steps: ring_bytes(4 * params, world) * (steps // period),
+                 note=f"parameters averaged every {period} steps (fp32)")
