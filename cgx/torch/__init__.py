@@ -75,3 +75,11 @@ __all__ = [
     "SyncBatchNorm", "add_process_set", "remove_process_set", "check_extension", "compression",
     "elastic", "DiLoCo", "OuterSGD",
 ]
+
+
+def __getattr__(name):
+    # cgx.torch.fsdp imports FSDP2 and DTensor (seconds): loaded on first use only.
+    if name == "fsdp":
+        import importlib
+        return importlib.import_module("cgx.torch.fsdp")
+    raise AttributeError(f"module 'cgx.torch' has no attribute {name!r}")
