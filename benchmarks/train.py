@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.timetoacc import methods as M  # noqa: E402
 from benchmarks.timetoacc import report  # noqa: E402
 from benchmarks.timetoacc.methods_diloco import DILOCO_METHODS  # noqa: E402
+from benchmarks.timetoacc.methods_fsdp import FSDP_METHODS  # noqa: E402
 from benchmarks.timetoacc.workloads import WORKLOADS  # noqa: E402
 
 STEPS = {"cnn": 100, "lm": 200}
@@ -47,6 +48,7 @@ STUDY_METHODS = ("ddp-fp32", "cgx-8bit", "cgx-8bit-ef", "cgx-4bit", "cgx-4bit-ef
 HOSTS_METHODS = ("ddp-fp32", "horovod-fp32", "cgx-4bit", "cgx-4bit-flat")
 TOPOLOGIES = {"2": (2, 1), "4": (4, 1), "2x2": (4, 2)}  # name -> (ranks, ranks per host)
 SLOW_LINK_METHODS = ("ddp-fp32", "cgx-4bit", *DILOCO_METHODS)  # --rates 100mbit in --suite
+FSDP_HOSTS_METHODS = ("ddp-fp32", "fsdp-bf16", "cgx-fsdp-4bit", "cgx-fsdp-hier")  # 2x2 in --suite
 
 
 def horovod_available() -> tuple[bool, str]:
@@ -85,6 +87,10 @@ def plan_runs(args) -> list[dict[str, Any]]:
         add(("lm",), "2", ("none",), (0,), M.DEFAULT_METHODS, "time")
         # Slow links: local steps (DiLoCo, post-local SGD) against per-step compression.
         add(("lm", "cnn"), "2", ("100mbit",), (0, 1, 2), SLOW_LINK_METHODS, "time")
+        # Sharded training (FSDP2): its own fp32/bf16 reduce-scatter against cgx's; DDP fp32
+        # gives the target loss.
+        add(("lm",), "2", ("1gbit", "none"), (0, 1, 2), ("ddp-fp32", *FSDP_METHODS), "time")
+        add(("lm",), "2x2", ("1gbit",), (0,), FSDP_HOSTS_METHODS, "time")
     elif args.study:
         add(args.workloads, args.topology, ("none",), args.seeds or (0, 1, 2),
             args.methods or STUDY_METHODS, "study")

@@ -11,6 +11,8 @@ Names:
         per tensor, as cgx.planner predicts is fastest on the measured link
     cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming, torch-postlocal-sgd[-h<N>]
         local steps with periodic outer updates (benchmarks/timetoacc/methods_diloco.py)
+    fsdp-fp32, fsdp-bf16, cgx-fsdp-8bit, cgx-fsdp-4bit, cgx-fsdp-hier
+        sharded training, FSDP2's reduce-scatter or cgx's (benchmarks/timetoacc/methods_fsdp.py)
 
 Every method reports the bytes it accounts for (cgx: its own statistics;
 the others: the ring-allreduce formula of what they send), next to what the
@@ -37,12 +39,15 @@ _FIXED = {"ddp-fp32", "ddp-fp16", "ddp-powersgd-r1", "ddp-powersgd-r4", "horovod
 def check(name: str) -> str:
     """The name, if it is a method; ValueError naming the choices otherwise."""
     from benchmarks.timetoacc import methods_diloco  # cgx-diloco-*, torch-postlocal-sgd
-    if name in _FIXED or _CGX.match(name) or methods_diloco.handles(name):
+    from benchmarks.timetoacc import methods_fsdp  # fsdp-*, cgx-fsdp-*
+    if name in _FIXED or _CGX.match(name) or methods_diloco.handles(name) \
+            or methods_fsdp.handles(name):
         return name
     raise ValueError(f"unknown method {name!r}; choose from {sorted(_FIXED)}, "
                      "cgx-<1..8>bit[-ef][-sfb][-flat], cgx-auto[-flat], cgx-planned[-sfb][-flat], "
                      "cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming or "
-                     "torch-postlocal-sgd[-h<N>]")
+                     "torch-postlocal-sgd[-h<N>], or one of "
+                     f"{', '.join(methods_fsdp.FSDP_METHODS)}")
 
 
 def family(name: str) -> str:
@@ -59,6 +64,9 @@ class Setup:
     plan: Callable[[], Optional[str]] = lambda: None  # cgx-auto: the current per-layer plan
     barrier: Optional[Callable[[], None]] = None  # None: torch.distributed's
     note: str = ""
+    # Sharded models (FSDP): every rank calls evaluate(workload's evaluate) -> its result;
+    # None: rank 0 alone evaluates the model
+    evaluate: Optional[Callable[[Callable], dict]] = None
 
 
 def ring_bytes(nbytes: float, world: int) -> float:
@@ -84,6 +92,9 @@ def build(name: str, model, make_optimizer, world: int) -> Setup:
     from benchmarks.timetoacc import methods_diloco
     if methods_diloco.handles(name):
         return methods_diloco.build(name, model, make_optimizer, world)
+    from benchmarks.timetoacc import methods_fsdp
+    if methods_fsdp.handles(name):
+        return methods_fsdp.build(name, model, make_optimizer, world)
     if name.startswith("ddp"):
         return _ddp(name, model, make_optimizer, world, params)
     if name.startswith("horovod"):

@@ -49,8 +49,11 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
     curve = []
 
     def evaluate(step: int, clock: float) -> None:
-        if rank == 0:
+        if setup.evaluate is not None:  # a sharded model: every rank takes part
+            res = setup.evaluate(work.evaluate)
+        elif rank == 0:
             res = work.evaluate(work.model)
+        if rank == 0:
             curve.append({"step": step, "train_s": clock, "samples": step * work.samples_per_batch * world,
                           **res})
         barrier()

@@ -1,0 +1,106 @@
+"""Sharded training: PyTorch's FSDP2, plain and with cgx's reduce-scatter.
+
+Names:
+    fsdp-fp32        FSDP2 (``fully_shard`` on every transformer layer, or every top-level
+                     child with parameters, then the model), fp32 reduce-scatter
+    fsdp-bf16        the same with ``MixedPrecisionPolicy(reduce_dtype=bfloat16)``: gradients
+                     reduce-scattered in bf16 (parameters and compute in fp32)
+    cgx-fsdp-8bit    ``cgx.torch.fsdp.compress``: 8-bit reduce-scatter, error feedback
+    cgx-fsdp-4bit    4-bit, error feedback
+    cgx-fsdp-hier    8-bit among the ranks of a host, 4-bit between hosts (one host: 8-bit)
+
+Every rank evaluates (a sharded model's forward all-gathers the parameters on all ranks).
+Bytes of the training steps: FSDP2's own collectives counted as Gloo's ring sends them
+((W - 1) / W of the all-gather's output, of the reduce-scatter's input), cgx's
+reduce-scatter by ``hvd.stats()``.
+"""
+
+from __future__ import annotations
+
+from benchmarks.timetoacc.methods import Setup
+
+FSDP_METHODS = ("fsdp-fp32", "fsdp-bf16", "cgx-fsdp-8bit", "cgx-fsdp-4bit", "cgx-fsdp-hier")
+
+
+def handles(name: str) -> bool:
+    """Is ``name`` one of this module's methods?"""
+    return name in FSDP_METHODS
+
+
+class _Counted:
+    """FSDP2's own collective (``dist.all_gather_single`` or ``reduce_scatter_single``),
+    counting what this rank sends in Gloo's ring."""
+
+    def __init__(self, reduce: bool):
+        self.reduce, self.sent, self.paused = reduce, 0.0, False
+
+    def allocate(self, size, *, dtype, device):
+        import torch
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
+        import torch.distributed as dist
+        W = group.size()
+        full = input_tensor if self.reduce else output_tensor
+        if not self.paused:
+            self.sent += (W - 1) / W * full.numel() * full.element_size()
+        if self.reduce:
+            return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
+                                              async_op=async_op)
+        return dist.all_gather_single(output_tensor, input_tensor, group=group,
+                                      async_op=async_op)
+
+
+def _units(model):
+    """What gets its own ``fully_shard``: transformer layers, else the top-level children."""
+    import torch.nn as nn
+    layers = [m for m in model.modules() if isinstance(m, nn.TransformerEncoderLayer)]
+    return layers or [m for m in model.children() if any(True for _ in m.parameters())]
+
+
+def build(name: str, model, make_optimizer, world: int) -> Setup:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    if not handles(name):
+        raise ValueError(f"not an FSDP method: {name!r}")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if name == "fsdp-bf16" else None
+    for unit in _units(model):
+        fully_shard(unit, mesh=mesh, **({"mp_policy": mp} if mp else {}))
+    fully_shard(model, mesh=mesh, **({"mp_policy": mp} if mp else {}))
+    gathers, scatters = _Counted(reduce=False), _Counted(reduce=True)
+    start = None
+    if name.startswith("cgx"):
+        import cgx.torch as hvd
+        import cgx.torch.fsdp
+        hvd.init()
+        q = {"cgx-fsdp-8bit": 8, "cgx-fsdp-4bit": 4, "cgx-fsdp-hier": 8}[name]
+        cross = hvd.Compression.quantize(bits=4, error_feedback=True) \
+            if name == "cgx-fsdp-hier" else None
+        cgx.torch.fsdp.compress(model, compression=hvd.Compression.quantize(
+            bits=q, error_feedback=True), cross_compression=cross)
+        start = hvd.stats().wire_bytes
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(gathers)
+            if start is None:
+                m.set_custom_reduce_scatter(scatters)
+
+    def accounted(steps: int) -> float:
+        cgx_bytes = 0.0
+        if start is not None:
+            import cgx.torch as hvd
+            cgx_bytes = hvd.stats().wire_bytes - start
+        return gathers.sent + scatters.sent + cgx_bytes
+
+    def evaluate(workload_evaluate):
+        gathers.paused = True  # evaluation's all-gathers are not a training step's
+        try:
+            return workload_evaluate(model)
+        finally:
+            gathers.paused = False
+
+    return Setup(model, make_optimizer(model.parameters()), accounted, evaluate=evaluate,
+                 note="FSDP2" + (", bf16 reduce-scatter" if mp else ""))
