@@ -374,6 +374,11 @@ def _two_hosts(rank, world):
         reduce_scatter_flat(x, mine, tr, levels, ShardState(), average=True, topology=topo)
         out[label] = (mine, local.sent_bytes().total - before[0],
                       cross.sent_bytes().total - before[1])
+    # Exact inside hosts, 4 bits between them: one residual, of the host's partial sums
+    s = ShardState()
+    reduce_scatter_flat(x, torch.empty(m), tr, Levels(None, QuantSpec(4, 128), True), s,
+                        average=True, topology=topo)
+    out["cross residual"] = [r.numel() for r in s.residuals[world * m]]
     plain = _shard(_mlp())
     _, out["plain"] = _train(plain, rank, STEPS)
     model = _shard(_mlp())
@@ -391,6 +396,7 @@ def test_hierarchical_8bit_inside_hosts_4bit_between():
     mean = sum(xs) / world
     for rank, out in enumerate(outs):
         assert out["order"] == (0, 2, 1, 3)  # local position 0 on hosts 0, 1; then position 1
+        assert out["cross residual"] == [world * m // 2]
         mine = mean[rank * m:(rank + 1) * m]
         exact, local_b, cross_b = out["exact"]
         torch.testing.assert_close(exact, mine, rtol=1e-6, atol=1e-6)

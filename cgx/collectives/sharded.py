@@ -120,12 +120,12 @@ def poison_nonfinite(x: torch.Tensor, world: int) -> torch.Tensor:
     return x
 
 
-def _residuals(state: ShardState, levels: Levels, sizes: Sequence[Optional[int]],
+def _residuals(state: ShardState, levels: Levels, key: int, sizes: Sequence[Optional[int]],
                device) -> list:
-    """This layout's residuals (made on first use), one per entry of ``sizes`` (None: none)."""
+    """The residuals of the layout ``key`` (the buffer's numel), made on first use: one per
+    entry of ``sizes`` (None: that level is exact, no residual)."""
     if not levels.error_feedback:
         return [None] * len(sizes)
-    key = sizes[0]
     if key not in state.residuals:
         state.residuals[key] = [torch.zeros(n, dtype=torch.float32, device=device)
                                 for n in sizes if n is not None]
@@ -158,7 +158,8 @@ def reduce_scatter_flat(x: torch.Tensor, out: torch.Tensor, transport: Transport
     key = dict(name=name, seed=seed, step=state.step, threads=threads)
     with count_sent() as sent:
         if topology is None or topology.cross.size == 1 and topology.local.size == W:
-            (res,) = _residuals(state, levels, [x.numel() if levels.inner else None], x.device)
+            (res,) = _residuals(state, levels, x.numel(),
+                                [x.numel() if levels.inner else None], x.device)
             mine, _ = reduce_scatter(x.view(W, -1), transport, ReduceOp.SUM, post=post,
                                      spec=levels.inner, residual=res, **key)
         else:
@@ -174,7 +175,8 @@ def _hierarchical(x, topology: Topology, levels: Levels, state: ShardState, post
     L, N = topology.local.size, topology.cross.size
     n = x.numel()
     inner_res, cross_res = _residuals(
-        state, levels, [n if levels.inner else None, n // L if levels.cross else None], x.device)
+        state, levels, n, [n if levels.inner else None, n // L if levels.cross else None],
+        x.device)
     # Chunks by (local position, host): local rank l reduces the N chunks of the ranks
     # at local position l, then hands each host its own.
     xs = x.view(L * N, -1)[torch.tensor(topology.order, device=x.device)]

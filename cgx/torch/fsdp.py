@@ -48,6 +48,7 @@ first backward.
 
 from __future__ import annotations
 
+import io
 import time
 from typing import Optional
 
@@ -129,6 +130,8 @@ class FSDPCompression:
             :class:`ShardState`.
     """
 
+    __slots__ = ("levels", "params_spec", "topology", "seed", "groups")
+
     def __init__(self, levels: Optional[Levels], params_spec: Optional[QuantSpec],
                  topology: Optional[Topology], seed: int):
         self.levels, self.params_spec, self.topology, self.seed = \
@@ -147,7 +150,6 @@ class FSDPCompression:
 
     def state_dict(self) -> dict:
         """``{"format", "world", "rank<r>": bytes}``: this rank's groups as a snapshot."""
-        import io
         buf = io.BytesIO()
         torch.save({n: _plain(s) for n, s in self.groups.items()}, buf)
         return {"format": STATE_FORMAT, "world": runtime.size(),
@@ -155,7 +157,6 @@ class FSDPCompression:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore this rank's part of a :meth:`state_dict` (saved by the same rank)."""
-        import io
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"not a cgx.torch.fsdp state (format {state.get('format')!r}, "
                              f"expected {STATE_FORMAT})")
@@ -246,8 +247,8 @@ def _fsdp_modules(model) -> list:
     return modules
 
 
-def _check_mesh(model) -> dist.ProcessGroup:
-    """The process group FSDP shards over; checked against cgx's world."""
+def _check_mesh(model) -> None:
+    """The mesh FSDP shards over: one, 1-D, over cgx's world, on its device type."""
     meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters()
               if isinstance(p, DTensor)}
     if len(meshes) != 1:
@@ -269,7 +270,6 @@ def _check_mesh(model) -> dist.ProcessGroup:
     if mesh.device_type != tr.device.type:
         raise ValueError(f"the FSDP mesh is on {mesh.device_type} but cgx's transport moves "
                          f"{tr.device.type} tensors; initialize cgx for the same device")
-    return group
 
 
 def _resolve(compression, what: str):
