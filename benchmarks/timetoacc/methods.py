@@ -94,7 +94,7 @@ def build(name: str, model, make_optimizer, world: int) -> Setup:
         return methods_diloco.build(name, model, make_optimizer, world)
     from benchmarks.timetoacc import methods_fsdp
     if methods_fsdp.handles(name):
-        return methods_fsdp.build(name, model, make_optimizer, world)
+        return Setup(**methods_fsdp.build(name, model, make_optimizer, world))
     if name.startswith("ddp"):
         return _ddp(name, model, make_optimizer, world, params)
     if name.startswith("horovod"):

@@ -17,8 +17,6 @@ reduce-scatter by ``hvd.stats()``.
 
 from __future__ import annotations
 
-from benchmarks.timetoacc.methods import Setup
-
 FSDP_METHODS = ("fsdp-fp32", "fsdp-bf16", "cgx-fsdp-8bit", "cgx-fsdp-4bit", "cgx-fsdp-hier")
 
 
@@ -58,7 +56,9 @@ def _units(model):
     return layers or [m for m in model.children() if any(True for _ in m.parameters())]
 
 
-def build(name: str, model, make_optimizer, world: int) -> Setup:
+def build(name: str, model, make_optimizer, world: int) -> dict:
+    """The fields of the method's ``methods.Setup`` (which ``methods.build`` makes: this
+    module imports nothing of ``methods``, which imports it)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -102,5 +102,6 @@ def build(name: str, model, make_optimizer, world: int) -> Setup:
         finally:
             gathers.paused = False
 
-    return Setup(model, make_optimizer(model.parameters()), accounted, evaluate=evaluate,
-                 note="FSDP2" + (", bf16 reduce-scatter" if mp else ""))
+    return dict(module=model, optimizer=make_optimizer(model.parameters()),
+                accounted_bytes=accounted, evaluate=evaluate,
+                note="FSDP2" + (", bf16 reduce-scatter" if mp else ""))
