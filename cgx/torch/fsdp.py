@@ -196,11 +196,11 @@ class CGXReduceScatter:
                                               async_op=async_op)
         average = _is_average(op)
         t0 = time.perf_counter()
-        sent = session.run(reduce_scatter_flat, input_tensor, output_tensor,
-                           runtime.transport(), levels, self.owner.group(self.name),
-                           average=average, name=self.name, seed=self.owner.seed,
-                           threads=runtime.config().cpu_threads, topology=self.owner.topology,
-                           label=f"fsdp reduce_scatter {self.name}")
+        sent = _run_ordered(reduce_scatter_flat, input_tensor, output_tensor,
+                            runtime.transport(), levels, self.owner.group(self.name),
+                            average=average, name=self.name, seed=self.owner.seed,
+                            threads=runtime.config().cpu_threads, topology=self.owner.topology,
+                            label=f"fsdp reduce_scatter {self.name}")
         rs.record(session.reducer(), input_tensor, sent, t0)
         return None
 
@@ -220,10 +220,28 @@ class CGXAllGather:
         if not input_tensor.is_floating_point():
             return dist.all_gather_single(output_tensor, input_tensor, group=group,
                                           async_op=async_op)
-        session.run(all_gather_flat, input_tensor, output_tensor, runtime.transport(),
-                    self.owner.params_spec, self.owner.group(self.name),
-                    threads=runtime.config().cpu_threads, label=f"fsdp all_gather {self.name}")
+        _run_ordered(all_gather_flat, input_tensor, output_tensor, runtime.transport(),
+                     self.owner.params_spec, self.owner.group(self.name),
+                     threads=runtime.config().cpu_threads, label=f"fsdp all_gather {self.name}")
         return None
+
+
+def _run_ordered(fn, tensor: torch.Tensor, *args, label: str, **kwargs):
+    """``fn(tensor, *args, **kwargs)`` on cgx's engine thread. On CUDA, ordered with the
+    caller's stream (FSDP2 calls from its reduce-scatter or all-gather stream): the engine
+    waits for what that stream queued, and that stream for what the engine queued."""
+    if tensor.device.type != "cuda":
+        return session.run(fn, tensor, *args, label=label, **kwargs)
+    ready = torch.cuda.current_stream(tensor.device).record_event()
+
+    def ordered():
+        torch.cuda.current_stream(tensor.device).wait_event(ready)
+        out = fn(tensor, *args, **kwargs)
+        return out, torch.cuda.current_stream(tensor.device).record_event()
+
+    out, done = session.run(ordered, label=label)
+    torch.cuda.current_stream(tensor.device).wait_event(done)
+    return out
 
 
 def _is_average(op) -> bool:
