@@ -24,7 +24,7 @@ def _model():
                              keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
 
 
-def _grads_fn(model, compression, graph):
+def _grads_fn(model, compression, graph, **groups):
     import cgx.tensorflow as hvd
 
     def grads(x, y):
@@ -32,7 +32,7 @@ def _grads_fn(model, compression, graph):
             logits = model(x, training=True)
             loss = tf.reduce_mean(
                 keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
-        tape = hvd.DistributedGradientTape(tape, compression=compression)
+        tape = hvd.DistributedGradientTape(tape, compression=compression, **groups)
         return tape.gradient(loss, model.trainable_variables)
 
     return tf.function(grads) if graph else grads
@@ -54,6 +54,18 @@ def _world(rank, world):
     starts = sorted(n for n in ops if ".start" in n and n.startswith("cgx_"))
     sizes = [4 * int(tf.size(v)) for v in model.trainable_variables]
     buckets = ready_order_buckets(sizes, int(float(FUSION_MB) * (1 << 20)))
+    # Horovod's num_groups and groups decide the buckets, in graph mode and eagerly.
+    grouped = {}
+    first_two = model.trainable_variables[:2]
+    for key, kw in (("num_groups", {"num_groups": 2}), ("groups", {"groups": [first_two]}),
+                    ("groups_int", {"groups": 3})):
+        fn = _grads_fn(model, hvd.Compression.exact, True, **kw)
+        out = [t.numpy() for t in fn(x, y)]
+        eager_out = [t.numpy() for t in _grads_fn(model, hvd.Compression.exact, False, **kw)(x, y)]
+        names = [op.name for op in fn.get_concrete_function(x, y).graph.get_operations()]
+        grouped[key] = {"starts": sum(".start" in n and n.startswith("cgx_") for n in names),
+                        "same": all((u == v).all() for u, v in zip(out, graph)) and
+                        all((u == v).all() for u, v in zip(eager_out, graph))}
 
     # Compression.planned on the TensorFlow path: traced, planned alike on every rank.
     planned_model = _model()
@@ -65,6 +77,7 @@ def _world(rank, world):
     ex = [e for e in _exchanges.values() if "Planned" in repr(e.compression)][0]
     (plan,) = ex._plans.values()
     return {"graph": graph, "eager": eager, "starts": starts, "buckets": buckets,
+            "grouped": grouped,
             "levels": [r["level"] for r in ex.compression_plan()],
             "checks": [(c.step, c.replanned) for c in plan.planned.checks],
             "first_ready": [min(r) if r else None for r in plan.planned._ready]}
@@ -78,6 +91,12 @@ def test_buckets_start_in_graph_and_match_the_eager_exchange():
     for r in (a, b):
         assert all((u == v).all() for u, v in zip(r["graph"], r["eager"]))
     assert all((u == v).all() for u, v in zip(a["graph"], b["graph"]))
+    # num_groups=2: two buckets; groups=[first two variables]: they and the rest;
+    # groups=3 is Horovod's integer spelling of num_groups
+    for r in (a, b):
+        assert {k: v["starts"] for k, v in r["grouped"].items()} == \
+            {"num_groups": 2, "groups": 2, "groups_int": 3}
+        assert all(v["same"] for v in r["grouped"].values())
     # at 1 Mbit/s the planner compresses the kernels; the rules keep the biases exact
     assert a["levels"] == b["levels"]
     assert [lv != "exact" for lv in a["levels"]] == [True, False] * 3

@@ -229,7 +229,7 @@ def _watch_abort_status() -> None:
     """
     mpi = sys.modules.get("mpi4py.MPI")
     original = getattr(mpi, "_set_abort_status", None)
-    if original is None or getattr(original, "_cgx_watch", False):
+    if original is None or getattr(original, "cgx_watch", False):
         return
 
     def watched(status):
@@ -238,7 +238,7 @@ def _watch_abort_status() -> None:
             _exit_failing = True
         return original(status)
 
-    watched._cgx_watch = True
+    watched.cgx_watch = True  # marks our wrapper: installed once
     try:
         mpi._set_abort_status = watched
     except (AttributeError, TypeError):  # a build whose module refuses: the hook still covers

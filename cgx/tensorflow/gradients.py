@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 from typing import Optional, Sequence
 
 import tensorflow as tf
@@ -37,10 +36,12 @@ from cgx.adaptive.compensation import UpdateRule
 from cgx.compression import Compression, resolve
 from cgx.tensorflow._bridge import WorkBuffers, run_collective, to_tf
 from cgx import runtime
-from cgx.exchange import ExchangeOptions, GradientPlan, ready_order_buckets, unique_names
+from cgx.exchange import ExchangeOptions, GradientPlan, unique_names
+from cgx.exchange.buckets import compose_buckets
+from cgx.exchange.options import names_by_id
+from cgx.exchange.step import StepRecorder
 from cgx.ops import Average, group_size
 from cgx.process_sets import global_process_set
-from cgx.collectives.reducer import ReduceStats
 from cgx.tensorflow.ops import allreduce, resolve_process_set, tf_side_compressor
 
 _labels = itertools.count()
@@ -67,6 +68,16 @@ def cgx_compression(compression):
     return resolve(compression) if isinstance(compression, str) else compression
 
 
+def variable_groups(num_groups, groups) -> tuple:
+    """Horovod's ``num_groups``/``groups``: ``groups`` may be an int (the number of groups)
+    or lists of variables; returns (num_groups, tuples of id(variable) or None)."""
+    if groups is None:
+        return num_groups, None
+    if isinstance(groups, int):
+        return groups, None
+    return num_groups, tuple(tuple(id(v) for v in g) for g in groups)
+
+
 class GradientExchange:
     """Reduces lists of TF gradients; one :class:`GradientPlan` per variable set.
 
@@ -84,15 +95,22 @@ class GradientExchange:
             IndexedSlices; True: they are made dense and reduced with the others.
         update_rule: the optimizer's :class:`cgx.adaptive.compensation.UpdateRule`
             (``compression="auto"`` decides error feedback by it).
+        num_groups: cut the gradients into this many fused buckets (Horovod's
+            ``num_groups``; 0: by size in graph mode, one call when eager).
+        group_ids: explicit buckets as lists of ``id(variable)`` (Horovod's ``groups``,
+            through :func:`variable_groups`); other gradients form one more bucket.
     """
 
     def __init__(self, compression=Compression.none, op=Average,
                  gradient_predivide_factor: float = 1.0, rules=None,
                  label: Optional[str] = None, process_set=global_process_set,
-                 sparse_as_dense: bool = False, update_rule: UpdateRule = UpdateRule.UNKNOWN):
+                 sparse_as_dense: bool = False, update_rule: UpdateRule = UpdateRule.UNKNOWN,
+                 num_groups: int = 0, group_ids=None):
         opts = ExchangeOptions.checked("gradient reduction", op=op,
                                        gradient_predivide_factor=gradient_predivide_factor,
-                                       sparse_as_dense=sparse_as_dense)
+                                       sparse_as_dense=sparse_as_dense, num_groups=num_groups)
+        self.num_groups = opts.num_groups
+        self.group_ids = group_ids
         compression = cgx_compression(compression)
         self._user = tf_side_compressor(compression)
         self.compression = Compression.exact if self._user is not None else compression
@@ -244,16 +262,26 @@ class GradientExchange:
             shapes.append(shape)
         plan = self.plan(unique_names([names[i] for i in keep], self.label),
                          [s.as_list() for s in shapes], [g.dtype.name for g in sub])
-        if tf.executing_eagerly():
-            buckets = [list(range(len(sub)))]  # backward is over: one call
-        else:
-            buckets = ready_order_buckets([4 * s.num_elements() for s in shapes],
-                                          runtime.config().fusion_buffer_bytes)
-        reduced = self._overlapped(plan, sub, shapes, buckets, step)
+        reduced = self._overlapped(plan, sub, shapes, self._buckets(keep, variables, shapes),
+                                   step)
         out = list(dense)
         for i, r in zip(keep, reduced):
             out[i] = r
         return out
+
+    def _buckets(self, keep: list, variables: list, shapes: list) -> list[list[int]]:
+        """The fused buckets of the gradients ``keep`` (positions in ``keep``): the user's
+        groups, ``num_groups`` equal ones, or by size in ready order in graph mode; one
+        call when eager (backward is over)."""
+        user = None
+        if self.group_ids is not None:
+            at = {id(variables[i]): k for k, i in enumerate(keep)}
+            user = [[at[v] for v in g if v in at] for g in self.group_ids]
+        if tf.executing_eagerly() and user is None and not self.num_groups:
+            return [list(range(len(keep)))]
+        return compose_buckets([4 * s.num_elements() for s in shapes],
+                               runtime.config().fusion_buffer_bytes, user_groups=user,
+                               num_groups=self.num_groups)
 
     def _overlapped(self, plan: GradientPlan, sub: list, shapes: list, buckets: list,
                     step) -> list:
@@ -271,13 +299,7 @@ class GradientExchange:
                     self._step_of[id(plan)] = st
                 else:
                     st = self._step_of[id(plan)]
-                if plan.planned is not None:  # ready times for the planner
-                    for i in bucket:
-                        plan.planned.note_ready(i, st)
-                timeline = session.reducer().timeline
-                if timeline.enabled:
-                    timeline.instant("ready", row=label,
-                                     args={"tensors": [plan.names[i] for i in bucket]})
+                StepRecorder(plan, session.reducer()).ready(bucket, st, row=label)
                 work = [self._buffers.copy((id(plan), i), x)
                         for i, x in zip(bucket, xs[:len(bucket)])]
                 handle = session.submit(plan.reduce, work, name=f"{label}.bucket{k}", step=st,
@@ -294,15 +316,13 @@ class GradientExchange:
 
         def finish(*ids):
             out: list = [None] * len(sub)
-            t0 = time.perf_counter()
-            for ticket, bucket in zip(ids, buckets):
-                with self._lock:
-                    handle, _ = self._inflight.pop(int(ticket.numpy()))
-                for i, o in zip(bucket, handle.wait(session.wait_timeout())):
-                    out[i] = o
-            # What the step waited for after its backward: the exposed communication.
-            session.reducer().add_stats(ReduceStats(steps=1,
-                                                    exposed_seconds=time.perf_counter() - t0))
+            # What the step waits for after its backward: the exposed communication.
+            with StepRecorder(plan, session.reducer()).waiting():
+                for ticket, bucket in zip(ids, buckets):
+                    with self._lock:
+                        handle, _ = self._inflight.pop(int(ticket.numpy()))
+                    for i, o in zip(bucket, handle.wait(session.wait_timeout())):
+                        out[i] = o
             if step is None:  # the plan's own step counter: one per exchange, as when eager
                 plan.step = self._step_of[id(plan)] + 1
             return [to_tf(o) for o in out]
@@ -320,15 +340,18 @@ _exchanges_lock = threading.Lock()
 
 
 def _shared_exchange(compression, op, predivide, rules, process_set=global_process_set,
-                     sparse_as_dense: bool = False) -> GradientExchange:
+                     sparse_as_dense: bool = False, num_groups: int = 0,
+                     groups=None) -> GradientExchange:
+    count, ids = variable_groups(num_groups, groups)
     key = (repr(compression), op, float(predivide), repr(rules),
-           getattr(process_set, "process_set_id", 0), bool(sparse_as_dense))
+           getattr(process_set, "process_set_id", 0), bool(sparse_as_dense), count, ids)
     with _exchanges_lock:
         ex = _exchanges.get(key)
         if ex is None:
             ex = GradientExchange(compression, op, predivide, rules,
                                   label=f"tape{len(_exchanges)}", process_set=process_set,
-                                  sparse_as_dense=sparse_as_dense)
+                                  sparse_as_dense=sparse_as_dense, num_groups=count,
+                                  group_ids=ids)
             _exchanges[key] = ex
         return ex
 
@@ -352,8 +375,8 @@ class DistributedGradientTape:
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: with Average, divide by this before the sum
             and by ``size / factor`` after.
-        num_groups, groups: accepted for compatibility (a tape exchanges all its
-            gradients together).
+        num_groups, groups: fused buckets as in Horovod: ``num_groups`` equal groups, or
+            ``groups`` lists of variables (the others form one more); by size otherwise.
         process_set: reduce over the ranks of this process set only.
         scale_local_gradients: divide the gradients of sources registered with
             :meth:`register_local_source` by the number of ranks (Horovod's default).
@@ -382,11 +405,13 @@ class DistributedGradientTape:
             raise TypeError(f"gradtape must be a tf.GradientTape, got {type(gradtape).__name__}")
         resolve_process_set(process_set)  # raises now if this rank may not use it
         ExchangeOptions.checked("DistributedGradientTape", op=op,
-                                gradient_predivide_factor=gradient_predivide_factor)
+                                gradient_predivide_factor=gradient_predivide_factor,
+                                num_groups=variable_groups(num_groups, groups)[0],
+                                process_set=process_set, rules=rules)
         self._tape = gradtape
-        self._names = _named(named_variables)
+        self._names = names_by_id(named_variables, "named_variables")
         self._exchange = _shared_exchange(compression, op, gradient_predivide_factor, rules,
-                                          process_set, sparse_as_dense)
+                                          process_set, sparse_as_dense, num_groups, groups)
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self.scale_local_gradients = bool(scale_local_gradients)
@@ -435,19 +460,6 @@ class DistributedGradientTape:
         if name == "_tape":
             raise AttributeError(name)
         return getattr(self._tape, name)
-
-
-def _named(named_variables) -> dict:
-    if named_variables is None:
-        return {}
-    items = named_variables.items() if isinstance(named_variables, dict) else named_variables
-    out = {}
-    for item in items:
-        if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str):
-            raise ValueError("named_variables should be (name, variable) pairs or a dict "
-                             f"name -> variable, got an item {item!r}")
-        out[id(item[1])] = item[0]
-    return out
 
 
 def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from cgx.adaptive.compensation import UpdateRule, update_rule_of
 from cgx.comm.consistency import agree, signature
 from cgx.compression import Compression
-from cgx.exchange import GradientPlan
+from cgx.exchange import ExchangeOptions, GradientPlan
+from cgx.exchange.step import StepRecorder
 from cgx.collectives import Reducer
 from cgx.comm.torch_dist import TorchTransport
 from cgx.config import CompressionMode, Config
@@ -62,13 +63,14 @@ class CGXState:
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be the torch.optim.Optimizer that applies the "
                             f"gradients, got {type(optimizer).__name__}")
+        ExchangeOptions.checked("CGXState", rules=rules)  # bad rules fail here, not in a hook
         self.config = config or Config.from_env()
         self.process_group = process_group
         self.auto = compression is not None or self.config.compression is CompressionMode.AUTO
         module = model.module if hasattr(model, "module") else model
         named = list(module.named_parameters())
         # One GradientPlan over all parameters: the specs, the residuals, auto's levels.
-        self._plan = GradientPlan(
+        self.plan = GradientPlan(
             [n for n, _ in named], [tuple(p.shape) for _, p in named],
             _auto_settings(compression, self.config, error_feedback) if self.auto
             else Compression.none,
@@ -76,13 +78,13 @@ class CGXState:
             else update_rule_of(optimizer),
             config=self.config if error_feedback is None or self.auto
             else self.config.replace(error_feedback=bool(error_feedback)))
-        self.error_feedback = self._plan.error_feedback
-        self._index = {id(p): i for i, (_, p) in enumerate(named)}
+        self.error_feedback = self.plan.error_feedback
+        self.index = {id(p): i for i, (_, p) in enumerate(named)}
         # -- internal state (checkpointed) --
         self.iteration = 0  # buckets of one backward share it; advanced by bucket 0
         # -- runtime objects (not pickled) --
         self._reducer: Optional[Reducer] = None
-        self._checked: set = set()  # bucket layouts every rank agreed on
+        self.checked: set = set()  # bucket layouts every rank agreed on
 
     def reducer(self) -> Reducer:
         if self._reducer is None:
@@ -94,7 +96,7 @@ class CGXState:
 
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "iteration": self.iteration,
-                "plan": self._plan.state_dict()}
+                "plan": self.plan.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("format") not in (1, STATE_FORMAT):
@@ -102,23 +104,29 @@ class CGXState:
                              f"{STATE_FORMAT}")
         self.iteration = int(state["iteration"])
         if "plan" in state:
-            self._plan.load_state_dict(state["plan"])
+            self.plan.load_state_dict(state["plan"])
         if state["format"] == 1:  # the residuals were kept beside the plan (same units)
-            self._plan.residuals.residuals.update(
+            self.plan.residuals.residuals.update(
                 {k: v.detach().clone() for k, v in state["residuals"].items()})
 
     def compression_plan(self) -> list:
         """Per parameter: layer, shape, family, level, bytes, error and share of the error
         budget (``compression="auto"``: see ``cgx.adaptive.format_levels``; else the fixed
         per-layer specs)."""
-        return self._plan.compression_plan()
+        return self.plan.compression_plan()
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["process_group"] = None  # process groups do not pickle; the default is used
         state["_reducer"] = None
-        state["_checked"] = set()
+        state["checked"] = set()
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        for old in ("plan", "index", "checked"):  # pickled by an earlier version
+            if "_" + old in state:
+                state[old] = state.pop("_" + old)
+        self.__dict__.update(state)
 
 
 def _auto_settings(compression, config: Config, error_feedback: Optional[bool]):
@@ -144,15 +152,15 @@ def _auto_settings(compression, config: Config, error_feedback: Optional[bool]):
 def _check_layout(state: CGXState, name: str, grads, indices) -> None:
     """Once per bucket layout (DDP launches the same buckets in the same order on every
     rank, and rebuilds them everywhere alike): the ranks agree on it."""
-    plan = state._plan
+    plan = state.plan
     specs = ["auto"] * len(indices) if state.auto else [plan.specs[i] for i in indices]
     sig = signature("DDP bucket", name, names=[plan.names[i] for i in indices],
                     shapes=[tuple(g.shape) for g in grads],
                     dtypes=[g.dtype for g in grads], specs=specs,
                     error_feedback=state.error_feedback)
-    if sig.digest() not in state._checked:
+    if sig.digest() not in state.checked:
         agree(state.reducer().transport, sig, recoverable=False)
-        state._checked.add(sig.digest())
+        state.checked.add(sig.digest())
 
 
 def _reduce(state: CGXState, bucket: dist.GradBucket, fut: torch.futures.Future,
@@ -160,11 +168,11 @@ def _reduce(state: CGXState, bucket: dist.GradBucket, fut: torch.futures.Future,
     try:
         grads = [g.view(-1) for g in bucket.gradients()]
         params = bucket.parameters()
-        indices = [state._index[id(p)] for p in params]
+        indices = [state.index[id(p)] for p in params]
         name = f"ddp.bucket{bucket.index()}"
         if state.config.check_consistency:
             _check_layout(state, name, grads, indices)
-        outs = state._plan.reduce(list(grads), name=name, step=step, indices=indices,
+        outs = state.plan.reduce(list(grads), name=name, step=step, indices=indices,
                                   reducer=state.reducer())
         for g, o in zip(grads, outs):
             if o is not g:
@@ -185,8 +193,8 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     if bucket.is_last():
         state.iteration += 1
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    if red.timeline.enabled:
-        red.timeline.instant("ready", row=f"ddp.bucket{bucket.index()}",
-                             args={"tensors": len(bucket.gradients())})
+    # Ready marks on the timeline, and the planned mode's ready times.
+    StepRecorder(state.plan, red).ready([state.index[id(p)] for p in bucket.parameters()],
+                                         step, row=f"ddp.bucket{bucket.index()}")
     red.engine().submit(_reduce, (state, bucket, fut, step), label=f"ddp.bucket{bucket.index()}")
     return fut

@@ -72,7 +72,7 @@ def _ddp_hook(rank, world):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-        out[spelling] = {"plans": state._plan.adaptive.plans_made,
+        out[spelling] = {"plans": state.plan.adaptive.plans_made,
                          "levels": [r["level"] for r in state.compression_plan()],
                          "params": [p.detach().clone() for p in model.parameters()]}
     return out
@@ -106,7 +106,7 @@ def _ddp_error_feedback(rank, world, optimizer, env_ef):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    return {"ef": state.error_feedback, "residuals": len(state._plan.residuals.residuals),
+    return {"ef": state.error_feedback, "residuals": len(state.plan.residuals.residuals),
             "forced": forced.error_feedback, "user_object": comp.error_feedback}
 
 

@@ -25,7 +25,7 @@ from cgx.adaptive.compensation import update_rule_of
 from cgx.comm.base import ReduceOp
 from cgx.compression import Compression
 from cgx.exchange import ExchangeOptions, check_wrapped_once
-from cgx.tensorflow.gradients import GradientExchange, cgx_compression
+from cgx.tensorflow.gradients import GradientExchange, cgx_compression, variable_groups
 from cgx.tensorflow.keras._serialization import compression_from_config, compression_to_config
 from cgx.ops import Average
 from cgx.tensorflow.ops import resolve_process_set
@@ -59,8 +59,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             before one exchange and one update.
         average_aggregated_gradients: divide those summed gradients by
             ``backward_passes_per_step``.
-        num_groups, groups: accepted for compatibility (the Keras path exchanges all
-            gradients of a step together).
+        num_groups, groups: fused buckets as in Horovod: ``num_groups`` equal groups, or
+            ``groups`` lists of variables (the others form one more); by size otherwise.
         scale_local_gradients: divide the gradients of variables registered with
             :meth:`register_local_var` by the number of ranks (Horovod's default).
         rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
@@ -116,7 +116,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         resolve_process_set(process_set)  # raises now if this rank may not use it
         opts = ExchangeOptions.checked(
             "DistributedOptimizer", op=op, gradient_predivide_factor=gradient_predivide_factor,
-            backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense)
+            backward_passes_per_step=backward_passes_per_step, sparse_as_dense=sparse_as_dense,
+            num_groups=variable_groups(num_groups, groups)[0], process_set=process_set,
+            rules=rules)
         if not isinstance(average_aggregated_gradients, bool):
             raise TypeError(f"average_aggregated_gradients must be True or False, got "
                             f"{average_aggregated_gradients!r}")
@@ -135,11 +137,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._process_set = process_set
         self._scale_local = bool(scale_local_gradients)
         self._local_vars: set = set()  # ids of variables registered as rank-local
-        self._exchange = GradientExchange(compression, op, gradient_predivide_factor,
-                                          _plain(rules), label=self.name,
-                                          process_set=process_set,
-                                          sparse_as_dense=self._dense_sparse(),
-                                          update_rule=update_rule_of(optimizer))
+        # Ids only: Keras would track variables held in lists assigned to it.
+        self._num_groups, self._group_ids = variable_groups(num_groups, groups)
+        self._exchange = self._new_exchange(compression, update_rule_of(optimizer))
         self._factors = None
         if sufficient_factors is not None:
             from cgx.tensorflow.keras.sufficient_factors import FactorLayers, check_compression
@@ -290,10 +290,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if self._factors is not None:
             self._factors.set_compression(compression)
         self._compression = compression
-        self._exchange = GradientExchange(compression, self._op, self._predivide, self._rules,
-                                          label=self.name, process_set=self._process_set,
-                                          sparse_as_dense=self._dense_sparse(),
-                                          update_rule=update_rule_of(self.inner_optimizer))
+        self._exchange = self._new_exchange(compression, update_rule_of(self.inner_optimizer))
+
+    def _new_exchange(self, compression, update_rule) -> GradientExchange:
+        return GradientExchange(compression, self._op, self._predivide, self._rules,
+                                label=self.name, process_set=self._process_set,
+                                sparse_as_dense=self._dense_sparse(), update_rule=update_rule,
+                                num_groups=self._num_groups, group_ids=self._group_ids)
 
     # -- serialization ----------------------------------------------------------------
 
@@ -307,6 +310,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "op": self._op.value,
             "backward_passes_per_step": self._passes_per_step,
             "average_aggregated_gradients": self._average_aggregated,
+            "num_groups": self._num_groups,
             "rules": self._rules if isinstance(self._rules, (str, type(None))) else
             _plain(self._rules),
             # compression="auto": the current per-layer plan, so that a model saved and
