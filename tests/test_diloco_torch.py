@@ -248,3 +248,17 @@ def test_auto_chooses_the_same_h_on_every_rank_and_trains_on(two):
     assert h0 == h1 == c0.sync_every and h0 >= 1
     assert c0.step_s == c1.step_s  # the slowest rank's, agreed
     assert torch.equal(p0[2], p1[2])  # the calibration round synced at step 3
+
+
+# -- the example ------------------------------------------------------------------------
+
+def test_example_learns_with_streaming_fragments():
+    import re
+    from pathlib import Path
+    from distutil import run_ranks
+    path = Path(__file__).resolve().parent.parent / "examples" / "diloco_digits.py"
+    run = run_ranks(path=str(path), nprocs=2, launcher="cgxrun-gloo", timeout=300,
+                    args=["--epochs", "4", "--sync-every", "8", "--fragments", "2"])
+    assert run.returncode == 0 and not run.timed_out, run.tail()
+    acc = re.findall(r"test accuracy ([\d.]+)%", run.stdout)
+    assert acc and float(acc[-1]) > 80.0, run.stdout[-2000:]

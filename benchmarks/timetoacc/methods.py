@@ -91,7 +91,7 @@ def build(name: str, model, make_optimizer, world: int) -> Setup:
     params = sum(p.numel() for p in model.parameters())
     from benchmarks.timetoacc import methods_diloco
     if methods_diloco.handles(name):
-        return methods_diloco.build(name, model, make_optimizer, world)
+        return Setup(**methods_diloco.build(name, model, make_optimizer, world))
     from benchmarks.timetoacc import methods_fsdp
     if methods_fsdp.handles(name):
         return Setup(**methods_fsdp.build(name, model, make_optimizer, world))

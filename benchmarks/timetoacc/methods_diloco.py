@@ -12,14 +12,13 @@ Names:
                            steps, no outer optimizer)
 
 cgx counts its own bytes (``hvd.stats()``); post-local SGD is counted as one ring
-allreduce of every parameter (float32) per averaging.
+allreduce of every parameter (float32) per averaging. :func:`build` returns the fields
+of ``methods.Setup`` (this module is imported by ``methods``, never the reverse).
 """
 
 from __future__ import annotations
 
 import re
-
-from benchmarks.timetoacc.methods import Setup, ring_bytes
 
 DILOCO_METHODS = ("cgx-diloco-h50", "cgx-diloco-auto", "cgx-diloco-streaming",
                   "torch-postlocal-sgd")
@@ -34,7 +33,7 @@ def handles(name: str) -> bool:
     return _NAME.match(name) is not None
 
 
-def build(name: str, model, make_optimizer, world: int) -> Setup:
+def build(name: str, model, make_optimizer, world: int) -> dict:
     m = _NAME.match(name)
     if m is None:
         raise ValueError(f"not a low-communication method: {name!r}")
@@ -64,15 +63,19 @@ def build(name: str, model, make_optimizer, world: int) -> Setup:
                                        f"and a {sum(c.fragment_s):.3f} s exchange per round")
 
     c = opt.config
-    return Setup(model, opt, accounted, compression_seconds, plan=plan,
-                 note=f"H={c.sync_every}, {c.fragments} fragment(s), delay {c.delay}")
+    return dict(module=model, optimizer=opt, accounted_bytes=accounted,
+                compression_seconds=compression_seconds, plan=plan,
+                note=f"H={c.sync_every}, {c.fragments} fragment(s), delay {c.delay}")
 
 
-def _postlocal(model, make_optimizer, world: int, period: int) -> Setup:
+def _postlocal(model, make_optimizer, world: int, period: int) -> dict:
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
     from torch.distributed.optim import PostLocalSGDOptimizer
     opt = PostLocalSGDOptimizer(make_optimizer(model.parameters()),
                                 PeriodicModelAverager(period=period, warmup_steps=0))
     params = sum(p.numel() for p in model.parameters())
-    return Setup(model, opt, lambda steps: ring_bytes(4 * params, world) * (steps // period),
-                 note=f"parameters averaged every {period} steps (fp32)")
+    # One ring allreduce of the parameters at steps 0, period, 2 period, ... (torch's rule).
+    ring = 2 * (world - 1) / world * 4 * params
+    return dict(module=model, optimizer=opt,
+                accounted_bytes=lambda steps: ring * ((steps - 1) // period + 1 if steps else 0),
+                note=f"parameters averaged every {period} steps (fp32)")

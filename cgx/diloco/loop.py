@@ -24,10 +24,12 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from cgx import ops, session
-from cgx.comm.consistency import tensor_fields
+from cgx.collectives import joining
+from cgx.comm.consistency import signature, tensor_fields
 from cgx.compression import Compression
 from cgx.diloco.config import DiLoCoConfig
 from cgx.diloco.schedule import FragmentSchedule
+from cgx.errors import CollectiveMismatchError
 from cgx.exchange import GradientPlan
 
 STATE_FORMAT = 1
@@ -196,18 +198,29 @@ class OuterLoop:
         anchors = self.state.anchors
         deltas = [anchors[i] - v.detach().to(anchors[i].device, torch.float32)
                   for i, v in zip(idx, access.read(idx))]
-        handle = session.submit(self._exchange, f, list(idx), deltas, self.state.step,
+        red = session.reducer_of(self.group)  # here, not on the engine: see _exchange
+        handle = session.submit(self._exchange, red, f, list(idx), deltas, self.state.step,
                                 label=f"{self.label}.fragment{f}")
         self._inflight[f] = (handle, s + self.config.delay, list(idx))
 
-    def _exchange(self, f: int, idx: list, deltas: list, step: int) -> list:
-        """Engine thread: the ranks agree on the call (fragment, step, shapes: the status
-        exchange every functional collective starts with), then the outer gradients are
-        averaged through the plan."""
+    def _exchange(self, red, f: int, idx: list, deltas: list, step: int) -> list:
+        """Engine thread: the status exchange every functional collective starts with (the
+        ranks agree on fragment, step and shapes; while a rank has called ``join()`` it is
+        refused), then the outer gradients averaged through the plan.
+
+        ``red`` comes from the caller's thread: an exchange still queued when the job
+        shuts down must not ask the session for it, as shutdown holds the session's lock
+        while the engine drains its queue."""
         name = f"{self.label}.fragment{f}"
-        ops.check("allreduce", name, self.group, None, fragment=f, step=step,
-                  **tensor_fields(deltas))
-        return self.plan.reduce(deltas, name=name, step=step, indices=idx)
+        tr = red.transport
+        if tr.size > 1:
+            sig = signature("allreduce", name, fragment=f, step=step,
+                            **tensor_fields(deltas)) if red.config.check_consistency else None
+            if joining.exchange(tr, joining.OTHER, sig).joined:
+                raise CollectiveMismatchError(
+                    f"DiLoCo's outer exchange '{name}' cannot run while a rank has called "
+                    "join(): every rank takes the same number of inner steps")
+        return self.plan.reduce(deltas, name=name, step=step, indices=idx, reducer=red)
 
     def _take(self, f: int) -> tuple:
         if f in self._inflight:
