@@ -49,3 +49,20 @@ def horovodrun() -> str:
                     f"CGX_SKIP_HOROVOD_TESTS=1 to skip the Horovod tests on purpose.",
                     pytrace=False)
     return str(exe)
+
+
+# Modules whose tests assert timing (overlap with backward, stall and drift detection,
+# measured link rates) or run the benchmarks: `make test` runs them alone, after the
+# parallel part (pytest-xdist), so that no neighbouring test takes their cores.
+SERIAL_MODULES = frozenset({
+    "test_torch_optimizer.py", "test_sufficient_factors.py", "test_tensorflow_overlap.py",
+    "test_netsim.py", "test_reliability.py", "test_reliability_keras.py",
+    "test_train_benchmark.py", "test_training_benchmark.py", "test_observability.py",
+    "test_planned_mode.py", "test_calibration.py", "test_auto_world.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
