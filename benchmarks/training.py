@@ -8,8 +8,8 @@ network namespace behind a ``tc tbf``-shaped veth link (``benchmarks/netsim``):
     .venv/bin/python benchmarks/training.py --rate 10gbit --steps 8
 
 Methods: ``compute`` (no communication: the floor), DDP fp32, DDP with
-PyTorch's ``fp16_compress_hook`` and ``powerSGD_hook`` (rank 1, error feedback,
-warm start; run with a single DDP bucket, the only way it does not crash on
+PyTorch's ``fp16_compress_hook``, ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 1,
+error feedback, warm start; run with a single DDP bucket, the only way it does not crash on
 Gloo here), cgx's DDP hook and cgx's ``DistributedOptimizer`` (both 4-bit, the
 defaults), and ``cgx-planned`` (``Compression.planned()``: each tensor exact or
 4-bit, as ``cgx.planner`` predicts is fastest on the measured link). The Keras path:
@@ -41,7 +41,7 @@ from typing import Any
 
 from cgx.console import progress
 
-METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-powersgd", "cgx-ddp-hook", "cgx-optimizer",
+METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "cgx-ddp-hook", "cgx-optimizer",
            "cgx-optimizer-sfb", "cgx-planned", "cgx-planned-sfb", "keras-compute", "keras-cgx",
            "keras-cgx-one-call", "keras-cgx-sfb"]
 VGG11 = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
@@ -159,9 +159,11 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
         # different ranks when several buckets are in flight (Gloo then fails with
         # "Received data size doesn't match expected size"); one bucket avoids it.
         opt_model = DDP(model, bucket_cap_mb=1024) if method == "ddp-powersgd" else DDP(model)
-        if method == "ddp-fp16":
+        if method in ("ddp-fp16", "ddp-bf16"):
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            opt_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            opt_model.register_comm_hook(None, default_hooks.fp16_compress_hook
+                                         if method == "ddp-fp16" else
+                                         default_hooks.bf16_compress_hook)
         elif method == "ddp-powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
             state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=1,
@@ -197,7 +199,8 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
     if wire is None:  # ring allreduce of the gradients (DDP) or of their compressed form
         from benchmarks.timetoacc.methods import powersgd_values, ring_bytes
         values = powersgd_values(model, 1) if method == "ddp-powersgd" else params
-        width = {"compute": 0, "ddp-fp32": 4, "ddp-fp16": 2, "ddp-powersgd": 4}[method]
+        width = {"compute": 0, "ddp-fp32": 4, "ddp-fp16": 2, "ddp-bf16": 2,
+                 "ddp-powersgd": 4}[method]
         wire = ring_bytes(width * values, world)
     out = {"method": method, "times_s": times, "params": params, "wire_bytes": wire,
            "link_bytes": link}

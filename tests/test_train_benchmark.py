@@ -75,7 +75,8 @@ def _check_consistent(records):
 
 def test_every_method_both_workloads_hosts_and_study(tmp_path):
     out = tmp_path / "train"
-    cnn = ["ddp-fp32", "ddp-fp16", "ddp-powersgd-r1", "cgx-8bit", "cgx-2bit-ef-sfb", "cgx-auto"]
+    cnn = ["ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "cgx-8bit", "cgx-2bit-ef-sfb",
+           "cgx-auto"]
     _run(out, "--workloads", "cnn", "--methods", ",".join(cnn))
     _run(out, "--workloads", "lm", "--methods", "ddp-fp32,cgx-4bit")
     _run(out, "--workloads", "cnn", "--topology", "2x2", "--methods", "ddp-fp32,cgx-4bit")
@@ -94,6 +95,7 @@ def test_every_method_both_workloads_hosts_and_study(tmp_path):
     n = _params("cnn")
     assert by["cnn", "2", 0, "ddp-fp32"]["accounted_bytes_per_step"] == 4 * n
     assert by["cnn", "2", 0, "ddp-fp16"]["accounted_bytes_per_step"] == 2 * n
+    assert by["cnn", "2", 0, "ddp-bf16"]["accounted_bytes_per_step"] == 2 * n
     assert by["cnn", "2", 0, "ddp-powersgd-r1"]["accounted_bytes_per_step"] == 4 * n  # exact phase
     assert n < by["cnn", "2", 0, "cgx-8bit"]["accounted_bytes_per_step"] < 1.1 * n
     assert by["cnn", "2", 0, "cgx-auto"]["plan"].startswith("| layer |")

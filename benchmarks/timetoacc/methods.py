@@ -1,7 +1,7 @@
 """How each method wraps a model and its optimizer, and what it reports.
 
 Names:
-    ddp-fp32, ddp-fp16, ddp-powersgd-r1, ddp-powersgd-r4   PyTorch DDP and its comm hooks
+    ddp-fp32, ddp-fp16, ddp-bf16, ddp-powersgd-r1/-r4       PyTorch DDP and its comm hooks
     horovod-fp32, horovod-fp16                             Horovod 0.28.1 (Gloo), Compression.fp16
     cgx-<bits>bit[-ef][-sfb][-flat]                        cgx's DistributedOptimizer, quantized;
         -ef error feedback, -sfb fully connected layers as sufficient factors,
@@ -26,14 +26,14 @@ import os
 import re
 from typing import Callable, Optional
 
-DEFAULT_METHODS = ("ddp-fp32", "ddp-fp16", "ddp-powersgd-r1", "ddp-powersgd-r4", "horovod-fp32",
-                   "horovod-fp16", "cgx-8bit", "cgx-4bit", "cgx-2bit-ef", "cgx-auto",
+DEFAULT_METHODS = ("ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
+                   "horovod-fp32", "horovod-fp16", "cgx-8bit", "cgx-4bit", "cgx-2bit-ef", "cgx-auto",
                    "cgx-4bit-sfb", "cgx-planned", "cgx-planned-sfb")
 POWERSGD_START = 10  # exact allreduce for the first steps (PyTorch's start_powerSGD_iter)
 _CGX = re.compile(r"^cgx-(?:(?P<bits>[1-8])bit(?P<flags>(?:-ef|-sfb|-flat)*)"
                   r"|(?P<mode>auto|planned)(?P<aflags>(?:-sfb|-flat)*))$")
-_FIXED = {"ddp-fp32", "ddp-fp16", "ddp-powersgd-r1", "ddp-powersgd-r4", "horovod-fp32",
-          "horovod-fp16"}
+_FIXED = {"ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
+          "horovod-fp32", "horovod-fp16"}
 
 
 def check(name: str) -> str:
@@ -125,9 +125,10 @@ def _ddp(name, model, make_optimizer, world, params) -> Setup:
                      note=f"rank {r}, error feedback, warm start, exact for {POWERSGD_START} steps")
     ddp = DDP(model)
     width = 4
-    if name == "ddp-fp16":
+    if name in ("ddp-fp16", "ddp-bf16"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook if name == "ddp-fp16"
+                               else default_hooks.bf16_compress_hook)
         width = 2
     return Setup(ddp, make_optimizer(ddp.parameters()),
                  lambda steps: ring_bytes(width * params * steps, world))
