@@ -70,10 +70,6 @@ def _two(rank, world, tmp):
     ddp = _compile(_model(0), hvd.DistributedOptimizer(keras.optimizers.SGD(**sgd),
                                                        compression=hvd.Compression.exact))
     out["sync"] = _fit(ddp, rank, 2)
-    h2 = _compile(_model(0), hvd.DiLoCo(keras.optimizers.SGD(**sgd), sync_every=2,
-                                        outer_optimizer=None,
-                                        compression=hvd.Compression.exact))
-    out["h2"] = _fit(h2, rank, 2)
     # Streaming, 4-bit outer gradients: saved after step 4 (fragment 1 in flight).
     model = _compile(_model(0), _streaming(hvd))
     _fit(model, rank, 1)
@@ -95,14 +91,14 @@ def runs(tmp_path_factory):
 
 
 def test_h1_in_model_fit_is_synchronous_data_parallel(runs):
-    """Equal to float32 rounding, the same on both ranks bit for bit; H=2 differs."""
+    """Equal to float32 rounding, the same on both ranks bit for bit (started from
+    different weights: a loop that never synced would fail both)."""
     r0, r1 = runs[1]
     for a, b in zip(r0["h1"], r1["h1"]):
         np.testing.assert_array_equal(a, b)
     for out in (r0, r1):
         for got, want in zip(out["h1"], out["sync"]):
             assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
-        assert max(np.abs(g - w).max() for g, w in zip(out["h2"], out["sync"])) > 1e-4
 
 
 def test_save_and_resume_mid_round_is_bit_exact(runs):
