@@ -185,14 +185,18 @@ def close() -> None:
     """
     global _reducer, _owner
     with _lock:
-        if _reducer is not None:
-            engine = _reducer.started_engine
-            _reducer.close()
-            _reducer.timeline.close()
-            if _reducer.config.verbose and (_reducer.totals.calls or engine is not None):
-                from cgx.stats import summary
-                print(summary(_reducer.snapshot(), _reducer.transport.rank,
-                              stalls=len(engine.stall_warnings) if engine else 0,
-                              failed=engine.failed if engine else None),
-                      file=sys.stderr, flush=True)
-        _reducer, _owner = None, None
+        red = _reducer
+    if red is not None:
+        engine = red.started_engine
+        # Not under the lock: work still queued on the engine may ask for reducer().
+        red.close()
+        red.timeline.close()
+        if red.config.verbose and (red.totals.calls or engine is not None):
+            from cgx.stats import summary
+            print(summary(red.snapshot(), red.transport.rank,
+                          stalls=len(engine.stall_warnings) if engine else 0,
+                          failed=engine.failed if engine else None),
+                  file=sys.stderr, flush=True)
+    with _lock:
+        if _reducer is red:
+            _reducer, _owner = None, None

@@ -5,9 +5,9 @@ a Gloo process group on 127.0.0.1 with a free port, calls
 ``fn(rank, world, *args)`` and returns the list of per-rank return values
 (anything ``torch.save`` can store). A hang fails after ``timeout`` seconds.
 
-Ranks are forked from a server process that has imported torch once (start method
-"forkserver"): a launch costs about 0.1 s instead of the 2-3 s of importing torch
-in fresh interpreters. Each rank takes the caller's environment and working
+Ranks are forked from a server process that has imported torch (and torch._dynamo,
+which the first optimizer imports) once (start method "forkserver"): a launch costs
+about 0.1 s instead of the 4-5 s of importing both in fresh interpreters. Each rank takes the caller's environment and working
 directory as they are at the call (the server's are those of its start).
 """
 
@@ -23,7 +23,10 @@ import torch
 import torch.multiprocessing as mp
 
 # Imported once by the server the ranks are forked from (it starts at the first launch).
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
+# torch._dynamo: the first torch.optim optimizer a rank creates imports it (2-3 s, more
+# on a loaded machine); FSDP2 imports DTensor and dynamo too.
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp",
+                                        "torch._dynamo"])
 
 
 def free_port() -> int:

@@ -8,7 +8,6 @@ data-parallel allreduce does.
 
 from __future__ import annotations
 
-import multiprocessing
 
 import pytest
 import torch
@@ -16,9 +15,7 @@ import torch
 from spawn import run_gloo
 
 # FSDP2 imports DTensor (sympy) and, at its first fully_shard, torch._dynamo: seconds per
-# rank. The server the ranks fork from imports them once, as it does torch.
-multiprocessing.set_forkserver_preload([
-    "torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo"])
+# rank. The server the ranks fork from imports them once (tests/spawn.py), as it does torch.
 
 STEPS = 4
 
