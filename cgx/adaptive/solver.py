@@ -58,7 +58,7 @@ def _native_knapsack():
     with _native_lock:
         if _native is None:
             from cgx.quant import cpu
-            lib = cpu._load()
+            lib = cpu.load_library()
             fn = getattr(lib, "cgx_knapsack", None) if lib is not None else None
             if fn is not None:
                 p = ctypes.c_void_p

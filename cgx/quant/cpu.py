@@ -49,7 +49,8 @@ _pool_size = 0
 _pool_lock = threading.Lock()
 
 
-def _load() -> Optional[ctypes.CDLL]:
+def load_library() -> Optional[ctypes.CDLL]:
+    """The C extension's library (loaded once), or None when it is not built."""
     global _lib, _load_error, _loaded
     if _loaded:
         return _lib
@@ -83,12 +84,12 @@ def _load() -> Optional[ctypes.CDLL]:
 
 def available() -> bool:
     """True when the C extension is built and loadable."""
-    return _load() is not None
+    return load_library() is not None
 
 
 def unavailable_reason() -> Optional[str]:
     """Why :func:`available` is False (None when it is True)."""
-    _load()
+    load_library()
     return _load_error
 
 
@@ -110,7 +111,7 @@ def _set_simd_path(name: str) -> None:
 
 
 def _require() -> ctypes.CDLL:
-    lib = _load()
+    lib = load_library()
     if lib is None:
         raise CGXError(f"cgx's C quantization path is not available: {_load_error}")
     return lib
