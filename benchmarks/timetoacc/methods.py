@@ -26,6 +26,8 @@ import os
 import re
 from typing import Callable, Optional
 
+from benchmarks.timetoacc.counters import cgx_counters
+
 DEFAULT_METHODS = ("ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
                    "horovod-fp32", "horovod-fp16", "cgx-8bit", "cgx-4bit", "cgx-2bit-ef", "cgx-auto",
                    "cgx-4bit-sfb", "cgx-planned", "cgx-planned-sfb")
@@ -196,14 +198,7 @@ def _cgx(name, model, make_optimizer) -> Setup:
     opt = hvd.DistributedOptimizer(make_optimizer(model.parameters()),
                                    named_parameters=model.named_parameters(), compression=comp,
                                    sufficient_factors=model if "sfb" in flags else None)
-    start = hvd.stats()
-
-    def accounted(steps: int) -> float:
-        return hvd.stats().wire_bytes - start.wire_bytes
-
-    def compression_seconds() -> float:
-        now = hvd.stats().seconds
-        return sum(now.get(k, 0.0) - start.seconds.get(k, 0.0) for k in ("compress", "decompress"))
+    accounted, compression_seconds = cgx_counters(hvd)
 
     def plan() -> Optional[str]:
         if m.group("bits"):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import re
 
+from benchmarks.timetoacc.counters import cgx_counters
+
 DILOCO_METHODS = ("cgx-diloco-h50", "cgx-diloco-auto", "cgx-diloco-streaming",
                   "torch-postlocal-sgd")
 _NAME = re.compile(r"^(?:cgx-diloco-(?:h(?P<h>[1-9][0-9]*)|(?P<mode>auto|streaming))"
@@ -48,14 +50,7 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
     else:
         kwargs = dict(STREAMING)
     opt = hvd.DiLoCo(model, make_optimizer(model.parameters()), **kwargs)
-    start = hvd.stats()
-
-    def accounted(steps: int) -> float:
-        return hvd.stats().wire_bytes - start.wire_bytes
-
-    def compression_seconds() -> float:
-        now = hvd.stats().seconds
-        return sum(now.get(k, 0.0) - start.seconds.get(k, 0.0) for k in ("compress", "decompress"))
+    accounted, compression_seconds = cgx_counters(hvd)
 
     def plan():
         c = opt.choice

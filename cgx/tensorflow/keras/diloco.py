@@ -34,6 +34,7 @@ from cgx.process_sets import global_process_set
 from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf, to_torch
 from cgx.tensorflow.gradients import variable_name
 from cgx.tensorflow.ops import resolve_process_set
+from cgx.tensorflow.keras.wrapped import DelegatesToInner
 
 STATE_KEY = "cgx_diloco"  # the loop's pickled state, beside the variables in a save
 
@@ -62,7 +63,7 @@ class KerasValues:
 
 
 @keras.saving.register_keras_serializable(package="cgx")
-class DiLoCo(keras.optimizers.Optimizer):
+class DiLoCo(DelegatesToInner, keras.optimizers.Optimizer):
     """Wraps a Keras optimizer: local steps, and every ``sync_every`` steps the outer
     gradient averaged (compressed) over the ranks and applied by the outer optimizer.
 
@@ -88,28 +89,6 @@ class DiLoCo(keras.optimizers.Optimizer):
         self._loop = None  # the OuterLoop, made with the variables (build)
         self._pending_state = None  # a loaded state, for the loop once it exists
         self.inner_optimizer = optimizer  # last: attribute reads fall through from here on
-
-    def __getattr__(self, name):
-        inner = self.__dict__.get("inner_optimizer")
-        if inner is None or name.startswith("_"):
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
-        return getattr(inner, name)
-
-    @property
-    def variables(self):
-        return self._variables[:] + self.inner_optimizer.variables
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
 
     @property
     def loop(self) -> OuterLoop:

@@ -31,10 +31,11 @@ from cgx.ops import Average
 from cgx.tensorflow.ops import resolve_process_set
 from cgx.process_sets import global_process_set
 from cgx.tensorflow.ops import tf_side_compressor
+from cgx.tensorflow.keras.wrapped import DelegatesToInner
 
 
 @keras.saving.register_keras_serializable(package="cgx")
-class DistributedOptimizer(keras.optimizers.Optimizer):
+class DistributedOptimizer(DelegatesToInner, keras.optimizers.Optimizer):
     """Wraps a Keras optimizer so that it applies gradients averaged over all ranks.
 
     Same arguments as ``horovod.tensorflow.keras.DistributedOptimizer``.
@@ -154,30 +155,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer = optimizer
 
     # -- delegation to the wrapped optimizer ---------------------------------------------
-
-    def __getattr__(self, name):
-        # Only reached for attributes this object lacks: public hyperparameters
-        # (momentum, beta_1, ...) are the wrapped optimizer's.
-        inner = self.__dict__.get("inner_optimizer")
-        if inner is None or name.startswith("_"):
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
-        return getattr(inner, name)
-
-    @property
-    def variables(self):
-        return self._variables[:] + self.inner_optimizer.variables
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
-
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
