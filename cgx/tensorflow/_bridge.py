@@ -8,12 +8,14 @@ the core never writes into a tensor obtained from :func:`to_torch`: every
 collective reduces a copy (one ``memcpy``, ~4 GB/s here, cheap next to
 quantization) and hands that copy back.
 
-Inside ``tf.function`` a collective is one ``tf.py_function`` op
-(:func:`run_collective`). ``py_function`` ops are stateful, so
-``tf.function``'s automatic control dependencies run them in program order:
-every rank issues its collectives in the same order, as ``cgx.session``
-requires. XLA cannot compile a Python op; under ``jit_compile=True`` the
-call fails early with :class:`XLAUnsupportedError`.
+Horovod's collectives go through :func:`collective`: eagerly one engine call, in a
+graph one asynchronous op negotiated by name (:mod:`cgx.tensorflow.graph_ops`), which
+completes whatever order a ``tf.compat.v1`` session starts them in. Other bodies (the
+gradient exchange's bucket starts, Keras' helpers) are one ``tf.py_function`` op each
+(:func:`run_collective`); ``py_function`` ops are stateful, so ``tf.function``'s
+automatic control dependencies run them in program order: every rank issues them in
+the same order, as ``cgx.session`` requires. XLA cannot compile either; under
+``jit_compile=True`` the call fails early with :class:`XLAUnsupportedError`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import tensorflow as tf
 import torch
 import torch.utils.dlpack
 
+from cgx import session
 from cgx.errors import CollectiveMismatchError
+from cgx.ops import op_name
 
 # TF's CPU allocator aligns buffers to 64 bytes and its kernels assume it
 # (a misaligned buffer aborts the process in Eigen); torch allocations are
@@ -129,17 +133,60 @@ def _op_name(label: str) -> str:
     return "cgx_" + name
 
 
+class InvalidArgumentError(tf.errors.InvalidArgumentError, ValueError):
+    """A bad argument found while the collective runs (e.g. alltoall's splits): Horovod's
+    ``tf.errors.InvalidArgumentError``, and still the ``ValueError`` cgx raised before."""
+
+
 def _horovod_errors(fn):
-    """Ranks that disagree on a collective get Horovod's TensorFlow error type,
-    ``tf.errors.FailedPreconditionError``, on every rank. (Inside a graph,
-    ``tf.py_function`` reports any Python error as ``tf.errors.UnknownError``,
-    with the same message.)"""
-    def wrapped(*args):
+    """Horovod's TensorFlow error types: ranks that disagree on a collective get
+    ``tf.errors.FailedPreconditionError`` on every rank, bad arguments found while it runs
+    ``tf.errors.InvalidArgumentError``. (Inside a graph, ``tf.py_function`` reports any
+    Python error as ``tf.errors.UnknownError``, with the same message; the collectives of
+    :func:`collective` are TensorFlow ops of their own there, with these types.)"""
+    def wrapped(*args, **kwargs):
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except CollectiveMismatchError as e:
             raise tf.errors.FailedPreconditionError(None, None, str(e)) from e
+        except ValueError as e:
+            if isinstance(e, tf.errors.OpError):
+                raise
+            raise InvalidArgumentError(None, None, str(e)) from e
     return wrapped
+
+
+def collective(call: Callable[..., Sequence[torch.Tensor]], inputs: Sequence[tf.Tensor],
+               dtypes: Sequence[tf.DType], shapes: Sequence[tf.TensorShape], kind: str, name,
+               group) -> tuple:
+    """Run the collective ``call(name, *torch tensors) -> torch tensors`` on the engine
+    thread, now (eager) or as one graph op negotiated by name (:mod:`.graph_ops`).
+
+    Args:
+        inputs: TF tensors; dtypes, shapes: of the outputs (shapes may be partly unknown).
+        kind, name: the collective's kind and name; None: auto-generated, from the eager
+            counter (``<kind>.noname.<n>``) or, in a graph, from the op's node name.
+        group: the resolved process set (None: the world).
+
+    Returns:
+        (the outputs as TF tensors, the collective's name).
+    """
+    if tf.executing_eagerly():
+        name = op_name(name, kind, group)
+        ts = [to_torch(x) for x in inputs]
+        outs = _horovod_errors(session.run)(call, name, *ts, label=name)
+        return [to_tf(o) for o in outs], name
+    _refuse_xla(kind)
+    from cgx.tensorflow.graph_ops import run_in_graph
+    return run_in_graph(call, inputs, dtypes, shapes, kind, name, group)
+
+
+def _refuse_xla(label: str) -> None:
+    if in_xla_context():
+        raise XLAUnsupportedError(
+            f"cgx's {label} runs as a Python op (tf.py_function), which XLA cannot compile. "
+            "Turn XLA off for this function: tf.function(jit_compile=False), or "
+            "model.compile(..., jit_compile=False) with Keras")
 
 
 def run_collective(fn: Callable[..., Sequence[tf.Tensor]], inputs: Sequence[tf.Tensor],
@@ -156,11 +203,7 @@ def run_collective(fn: Callable[..., Sequence[tf.Tensor]], inputs: Sequence[tf.T
     fn = _horovod_errors(fn)
     if tf.executing_eagerly():
         return list(fn(*inputs))
-    if in_xla_context():
-        raise XLAUnsupportedError(
-            f"cgx's {label} runs as a Python op (tf.py_function), which XLA cannot compile. "
-            "Turn XLA off for this function: tf.function(jit_compile=False), or "
-            "model.compile(..., jit_compile=False) with Keras")
+    _refuse_xla(label)
     outs = tf.py_function(fn, list(inputs), list(dtypes), name=_op_name(label))
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     for out, shape in zip(outs, shapes):

@@ -9,12 +9,12 @@ import types
 
 import tensorflow as tf
 
-from cgx import runtime, session
+from cgx import runtime
 from cgx import process_sets
 from cgx.ops import (Average, Sum, allgather_rows, group_size, op_name, reducescatter_rows,
                      resolve_op)
 from cgx.process_sets import global_process_set
-from cgx.tensorflow._bridge import run_collective, to_tf, to_torch
+from cgx.tensorflow._bridge import collective
 from cgx.tensorflow.ops import resolve_process_set
 from cgx.torch.compat import HorovodInternalError, check_extension, refuse  # noqa: F401
 
@@ -101,24 +101,24 @@ def reducescatter(tensor, device_dense="", compression=None, op=Average, name=No
     allgathered."""
     g = resolve_process_set(process_set)
     op = resolve_op(op, None)
-    name = op_name(name, "reducescatter", g)
     x = tf.convert_to_tensor(tensor)
     shape = tf.TensorShape(None) if x.shape.rank is None else \
         tf.TensorShape([None]).concatenate(x.shape[1:])
 
-    def body(a):
-        return [to_tf(session.run(reducescatter_rows, to_torch(a), op, prescale_factor,
-                                  postscale_factor, name, compression, g, label=name))]
+    def call(key, a):
+        return [reducescatter_rows(a, op, prescale_factor, postscale_factor, key, compression,
+                                   g)]
+
+    def gather(key, d):
+        return [allgather_rows(d, key, g)]
 
     @tf.custom_gradient
     def forward(a):
-        y = run_collective(body, [a], [a.dtype], [shape], name)[0]
+        (y,), key = collective(call, [a], [a.dtype], [shape], "reducescatter", name, g)
 
         def grad(dy):
-            def gather(d):
-                return [to_tf(session.run(allgather_rows, to_torch(d), name + ".grad", g,
-                                          label=name))]
-            full = run_collective(gather, [dy], [dy.dtype], [a.shape], name + ".grad")[0]
+            (full,), _ = collective(gather, [dy], [dy.dtype], [a.shape], "allgather",
+                                    key + ".grad", g)
             scale = prescale_factor * postscale_factor * (group_size(g) if op is Sum else 1)
             return full * tf.cast(scale, full.dtype) if scale != 1.0 else full
 
@@ -127,11 +127,22 @@ def reducescatter(tensor, device_dense="", compression=None, op=Average, name=No
     return forward(x)
 
 
+def _group_name(name, kind: str, process_set):
+    """A grouped call's name: eagerly ``<kind>.noname.<n>`` when not given; in a graph each
+    part is named from its own op when not given (the same on every rank)."""
+    g = resolve_process_set(process_set)
+    return op_name(name, kind, g) if tf.executing_eagerly() else name
+
+
+def _part(name, i: int):
+    return None if name is None else f"{name}.{i}"
+
+
 def grouped_reducescatter(tensors, device_dense="", compression=None, op=Average, name=None,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
-    name = op_name(name, "grouped_reducescatter", resolve_process_set(process_set))
-    return [reducescatter(t, compression=compression, op=op, name=f"{name}.{i}",
+    name = _group_name(name, "grouped_reducescatter", process_set)
+    return [reducescatter(t, compression=compression, op=op, name=_part(name, i),
                           process_set=process_set, prescale_factor=prescale_factor,
                           postscale_factor=postscale_factor) for i, t in enumerate(tensors)]
 
@@ -139,8 +150,8 @@ def grouped_reducescatter(tensors, device_dense="", compression=None, op=Average
 def grouped_allgather(tensors, name=None, ignore_name_scope=False,
                       process_set=global_process_set):
     from cgx.tensorflow.ops import allgather
-    name = op_name(name, "grouped_allgather", resolve_process_set(process_set))
-    return [allgather(t, name=f"{name}.{i}", process_set=process_set)
+    name = _group_name(name, "grouped_allgather", process_set)
+    return [allgather(t, name=_part(name, i), process_set=process_set)
             for i, t in enumerate(tensors)]
 
 

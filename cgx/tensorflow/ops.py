@@ -4,10 +4,10 @@ Each call hands its tensors to the torch-level implementation that
 ``cgx.torch`` uses (through :mod:`cgx.tensorflow._bridge`: DLPack on CPU, no
 copy in, one copy for the result), on the shared engine thread of
 ``cgx.session``, so TF and torch collectives of one process stay in one order.
-They work eagerly and inside ``tf.function`` (one ``tf.py_function`` op each;
-not under XLA, see ``_bridge``), and have gradients: ``allreduce``'s
-backward allreduces the gradient the same way, ``allgather``'s averages it
-and keeps this rank's rows, ``broadcast``'s averages it onto the root (zeros
+They work eagerly and in graphs (``tf.function``, ``tf.compat.v1`` sessions: one
+asynchronous op each, negotiated by name, see ``graph_ops``; not under XLA), and have
+gradients: ``allreduce``'s backward allreduces the gradient the same way, ``allgather``'s
+averages it and keeps this rank's rows, ``broadcast``'s averages it onto the root (zeros
 elsewhere), ``alltoall``'s sends the gradient back (Horovod's rules).
 
 Differences from Horovod, by design (as in ``cgx.torch``):
@@ -25,9 +25,8 @@ import tensorflow as tf
 import torch
 
 from cgx import runtime
-from cgx import session
 from cgx.compression import Compression, Compressor, Policy, as_compressor
-from cgx.tensorflow._bridge import copy_to_torch, run_collective, to_tf, to_torch
+from cgx.tensorflow._bridge import collective
 # The torch-level bodies of the collectives, written once in the core for both adapters.
 from cgx.ops import (  # noqa: F401 - Horovod's op names, re-exported
     Adasum, Average, Max, Min, Product, Sum, allgather_rows, alltoall_rows, broadcast_tensor,
@@ -72,32 +71,36 @@ def _float_grads(grads, xs):
 
 # -- allreduce --------------------------------------------------------------------
 
-def _allreduce_dense(tensors, op, pre, post, name, compression, group=None):
+def _allreduce_dense(tensors, op, pre, post, name, compression, group=None, kind="allreduce"):
     """Allreduce a list of dense TF tensors in one fused collective, with a gradient."""
     user = tf_side_compressor(compression)
     if user is not None:
         pairs = [user.compress(t) for t in tensors]
         reduced = _allreduce_dense([p for p, _ in pairs], op, pre, post, name, Compression.exact,
-                                   group)
+                                   group, kind)
         return [user.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
 
-    def body(*xs):
-        outs = session.run(reduce_tensors, [to_torch(x) for x in xs], op, pre, post, name,
-                           compression, group, label=name)
-        return [to_tf(o) for o in outs]
+    def call(key, *ts):
+        return reduce_tensors(list(ts), op, pre, post, key, compression, group)
 
     @tf.custom_gradient
     def forward(*xs):
-        ys = run_collective(body, xs, [x.dtype for x in xs], [x.shape for x in xs], name)
+        ys, key = collective(call, xs, [x.dtype for x in xs], [x.shape for x in xs], kind,
+                             name, group)
 
         def grad(*dys):
             dys = [tf.zeros_like(x) if d is None else d for d, x in zip(dys, xs)]
-            return _float_grads(_allreduce_dense(dys, op, pre, post, name + ".grad",
-                                                 compression, group), xs)
+            return _float_grads(_allreduce_dense(dys, op, pre, post, key + ".grad",
+                                                 compression, group, kind), xs)
 
         return ys, grad
 
     return list(forward(*[tf.convert_to_tensor(t) for t in tensors]))
+
+
+def _sub(name, part: str):
+    """The name of one part of a collective (None stays None: auto-generated per part)."""
+    return None if name is None else f"{name}.{part}"
 
 
 def _allreduce_sparse(slices: tf.IndexedSlices, op, pre, post, name, process_set=None):
@@ -105,11 +108,12 @@ def _allreduce_sparse(slices: tf.IndexedSlices, op, pre, post, name, process_set
     if op not in (Average, Sum):
         raise ValueError(f"allreduce of tf.IndexedSlices supports op Average or Sum, got {op!r}; "
                          "pass tf.convert_to_tensor(slices) to reduce it densely")
-    values = allgather(slices.values, name=name + ".values", process_set=process_set)
-    indices = allgather(slices.indices, name=name + ".indices", process_set=process_set)
-    scale = pre * post / (group_size(resolve_process_set(process_set)) if op is Average else 1)
-    if scale != 1.0:
-        values = values * tf.cast(scale, values.dtype)
+    values = allgather(slices.values, name=_sub(name, "values"), process_set=process_set)
+    indices = allgather(slices.indices, name=_sub(name, "indices"), process_set=process_set)
+    if op is Average:  # as Horovod: divided by the number of ranks
+        values = values / tf.cast(group_size(resolve_process_set(process_set)), values.dtype)
+    if pre * post != 1.0:
+        values = values * tf.cast(pre * post, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
@@ -134,8 +138,9 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     """
     g = resolve_process_set(process_set)
     op = resolve_op(op, average)
-    name = op_name(name, "allreduce", g)
     if isinstance(tensor, tf.IndexedSlices):
+        if tf.executing_eagerly():  # one number for the pair, as before
+            name = op_name(name, "allreduce", g)
         return _allreduce_sparse(tensor, op, prescale_factor, postscale_factor, name,
                                  process_set)
     return _allreduce_dense([tensor], op, prescale_factor, postscale_factor, name,
@@ -156,8 +161,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
                          "allreduce(), or convert them with tf.convert_to_tensor()")
     if not tensors:
         return []
-    return _allreduce_dense(tensors, op, prescale_factor, postscale_factor,
-                            op_name(name, "grouped_allreduce", g), compression, g)
+    return _allreduce_dense(tensors, op, prescale_factor, postscale_factor, name,
+                            compression, g, "grouped_allreduce")
 
 
 # -- allgather, broadcast, alltoall ---------------------------------------------------
@@ -169,7 +174,6 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     A scalar gathers into a vector of ``size()`` values.
     """
     g = resolve_process_set(process_set)
-    name = op_name(name, "allgather", g)
     x = tf.convert_to_tensor(tensor)
     if x.shape.rank is None:
         shape = tf.TensorShape(None)
@@ -178,21 +182,21 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     else:
         shape = tf.TensorShape([None]).concatenate(x.shape[1:])
 
-    def body(a):
-        return [to_tf(session.run(allgather_rows, to_torch(a), name, g, label=name))]
+    def call(key, a):
+        return [allgather_rows(a, key, g)]
 
     @tf.custom_gradient
     def forward(a):
-        y = run_collective(body, [a], [a.dtype], [shape], name)[0]
+        (y,), key = collective(call, [a], [a.dtype], [shape], "allgather", name, g)
 
         def grad(dy):
             # Horovod's rule: averaged over ranks, then this rank's rows.
-            averaged = allreduce(dy, op=Average, name=name + ".grad", process_set=process_set)
+            averaged = allreduce(dy, op=Average, name=key + ".grad", process_set=process_set)
             me = group_rank(g)
             if a.shape.rank == 0:
                 return averaged[me]
             rows = tf.shape(a, out_type=tf.int64)[:1]
-            counts = allgather(rows, name=name + ".rows", process_set=process_set)
+            counts = allgather(rows, name=key + ".rows", process_set=process_set)
             start = tf.reduce_sum(counts[:me])
             return averaged[start:start + rows[0]]
 
@@ -211,22 +215,22 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
     """
     g = resolve_process_set(process_set)
     _check_root(root_rank, g)
-    name = op_name(name, "broadcast", g)
     x = tf.convert_to_tensor(tensor)
 
-    def body(a):
-        t = to_torch(a)
-        return [to_tf(session.run(broadcast_tensor, t, root_rank, torch.empty_like(t), name,
-                                  g, label=name))]
+    def call(key, t):
+        return [broadcast_tensor(t, root_rank, torch.empty_like(t), key, g)]
 
     @tf.custom_gradient
     def forward(a):
-        y = run_collective(body, [a], [a.dtype], [a.shape], name)[0]
+        (y,), key = collective(call, [a], [a.dtype], [a.shape], "broadcast", name, g)
 
         def grad(dy):
-            averaged = allreduce(dy, op=Average, name=name + ".grad",  # as Horovod
+            averaged = allreduce(dy, op=Average, name=key + ".grad",  # as Horovod
                                  process_set=process_set)
-            return averaged if runtime.rank() == root_rank else tf.zeros_like(averaged)
+            if runtime.rank() == root_rank:
+                return averaged
+            with tf.control_dependencies([averaged]):  # a graph runs the allreduce here too
+                return tf.zeros_like(averaged)
 
         return y, grad
 
@@ -242,24 +246,23 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
         The received rows; with ``splits``, also the int32 counts received per rank.
     """
     g = resolve_process_set(process_set)
-    name = op_name(name, "alltoall", g)
     x = tf.convert_to_tensor(tensor)
     s = None if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int64)
     shape = tf.TensorShape(None) if x.shape.rank is None else \
         tf.TensorShape([None]).concatenate(x.shape[1:])
 
-    def body(a, *rest):
-        sp = to_torch(rest[0]).tolist() if rest else None
-        out, received = session.run(alltoall_rows, to_torch(a), sp, name, g, label=name)
-        return [to_tf(out), to_tf(received)]
+    def call(key, a, *rest):
+        out, received = alltoall_rows(a, rest[0].tolist() if rest else None, key, g)
+        return [out, received]
 
     @tf.custom_gradient
     def forward(a, *rest):
-        y, received = run_collective(body, [a, *rest], [a.dtype, tf.int32],
-                                     [shape, tf.TensorShape([group_size(g)])], name)
+        (y, received), key = collective(call, [a, *rest], [a.dtype, tf.int32],
+                                        [shape, tf.TensorShape([group_size(g)])], "alltoall",
+                                        name, g)
 
         def grad(dy, _unused=None):
-            back = alltoall(dy, splits=received, name=name + ".grad",
+            back = alltoall(dy, splits=received, name=key + ".grad",
                             process_set=process_set)[0]
             return [back] + [None] * len(rest)
 
@@ -274,11 +277,11 @@ def barrier(process_set=global_process_set) -> None:
     """Block until every rank (of ``process_set``) arrives."""
     g = resolve_process_set(process_set)
 
-    def body():
-        session.run(lambda: reducer_of(g).transport.barrier(), label="barrier")
+    def call(key):
+        reducer_of(g).transport.barrier()
         return []
 
-    run_collective(body, [], [], [], "barrier")
+    collective(call, [], [], [], "barrier", "barrier" if tf.executing_eagerly() else None, g)
 
 
 def _check_root(root_rank, group=None) -> None:
@@ -308,14 +311,15 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     if not variables or group_size(g) == 1:
         return None if tf.executing_eagerly() else tf.no_op()
     values = [tf.convert_to_tensor(v) for v in variables]
-    def body(*xs):
-        ts = [copy_to_torch(x) for x in xs]  # broadcast in place: into copies, never TF memory
-        session.run(broadcast_tensors, ts, root_rank, "broadcast_variables", g,
-                    label="broadcast_variables")
-        return [to_tf(t) for t in ts]
 
-    new = run_collective(body, values, [v.dtype for v in values], [v.shape for v in values],
-                         "broadcast_variables")
+    def call(key, *xs):
+        ts = [x.clone() for x in xs]  # broadcast in place: into copies, never TF memory
+        broadcast_tensors(ts, root_rank, key, g)
+        return ts
+
+    name = "broadcast_variables" if tf.executing_eagerly() else None
+    new, _ = collective(call, values, [v.dtype for v in values], [v.shape for v in values],
+                        "broadcast_variables", name, g)
     assigns = [v.assign(n) for v, n in zip(variables, new)]
     if tf.executing_eagerly():
         return None
