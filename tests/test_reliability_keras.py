@@ -76,8 +76,7 @@ def _keras_scenarios(rank, world):
             (tf.function(call) if mode == "graph" else call)().numpy()  # errors surface here
             out[f"mismatch_{mode}"] = "no error"
         except tf.errors.OpError as e:
-            # Horovod's FailedPreconditionError eagerly; inside a graph tf.py_function
-            # can only report it as an UnknownError (with the same message).
+            # Horovod's FailedPreconditionError, eagerly and inside a graph.
             out[f"mismatch_{mode}"] = f"{type(e).__name__}: {e.message}"
     out["after_mismatch"] = np.asarray(hvd.allreduce(tf.ones([2]), name="tf.ok")).tolist()
 
@@ -178,6 +177,7 @@ def test_keras_reliability_scenarios():
         for mode in ("eager", "graph"):
             assert "rank 0 has (1000,), rank 1 has (1024,)" in o[f"mismatch_{mode}"], o
         assert o["mismatch_eager"].startswith("FailedPreconditionError")
+        assert o["mismatch_graph"].startswith("FailedPreconditionError")
         assert o["after_mismatch"] == [1.0, 1.0]
     assert outs[0]["auto_plan"] == outs[1]["auto_plan"] and len(outs[0]["auto_plan"]) == 6
     assert any("bit" in level for _, level in outs[0]["auto_plan"])
