@@ -8,7 +8,8 @@ network namespace behind a ``tc tbf``-shaped veth link (``benchmarks/netsim``):
     .venv/bin/python benchmarks/training.py --rate 10gbit --steps 8
 
 Methods: ``compute`` (no communication: the floor), DDP fp32, DDP with
-PyTorch's ``fp16_compress_hook``, ``bf16_compress_hook`` and ``powerSGD_hook`` (rank 1,
+PyTorch's ``fp16_compress_hook``, ``bf16_compress_hook`` (its body: torch's refuses Gloo)
+and ``powerSGD_hook`` (rank 1,
 error feedback, warm start; run with a single DDP bucket, the only way it does not crash on
 Gloo here), cgx's DDP hook and cgx's ``DistributedOptimizer`` (both 4-bit, the
 defaults), and ``cgx-planned`` (``Compression.planned()``: each tensor exact or
@@ -161,9 +162,9 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
         opt_model = DDP(model, bucket_cap_mb=1024) if method == "ddp-powersgd" else DDP(model)
         if method in ("ddp-fp16", "ddp-bf16"):
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            from benchmarks.timetoacc.methods import bf16_gloo_hook
             opt_model.register_comm_hook(None, default_hooks.fp16_compress_hook
-                                         if method == "ddp-fp16" else
-                                         default_hooks.bf16_compress_hook)
+                                         if method == "ddp-fp16" else bf16_gloo_hook)
         elif method == "ddp-powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
             state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=1,

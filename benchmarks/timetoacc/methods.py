@@ -2,6 +2,7 @@
 
 Names:
     ddp-fp32, ddp-fp16, ddp-bf16, ddp-powersgd-r1/-r4       PyTorch DDP and its comm hooks
+        (ddp-bf16: the bf16 compress hook's body, which torch runs on NCCL only, on Gloo)
     horovod-fp32, horovod-fp16                             Horovod 0.28.1 (Gloo), Compression.fp16
     cgx-<bits>bit[-ef][-sfb][-flat]                        cgx's DistributedOptimizer, quantized;
         -ef error feedback, -sfb fully connected layers as sufficient factors,
@@ -71,6 +72,24 @@ class Setup:
     evaluate: Optional[Callable[[Callable], dict]] = None
 
 
+def bf16_gloo_hook(process_group, bucket):
+    """DDP's ``bf16_compress_hook`` for Gloo: the bucket cast to bfloat16 and divided by
+    the world size, allreduced, cast back. (DDP refuses any hook *named*
+    ``bf16_compress_hook`` unless CUDA and NCCL are there; Gloo reduces bfloat16.)"""
+    import torch
+    import torch.distributed as dist
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
+    fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(f):
+        buffer.copy_(f.value()[0])
+        return buffer
+
+    return fut.then(decompress)
+
+
 def ring_bytes(nbytes: float, world: int) -> float:
     return 2 * (world - 1) / world * nbytes
 
@@ -130,7 +149,7 @@ def _ddp(name, model, make_optimizer, world, params) -> Setup:
     if name in ("ddp-fp16", "ddp-bf16"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook if name == "ddp-fp16"
-                               else default_hooks.bf16_compress_hook)
+                               else bf16_gloo_hook)
         width = 2
     return Setup(ddp, make_optimizer(ddp.parameters()),
                  lambda steps: ring_bytes(width * params * steps, world))
