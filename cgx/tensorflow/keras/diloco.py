@@ -95,12 +95,6 @@ class DiLoCo(DelegatesToInner, keras.optimizers.Optimizer):
         """The outer loop (after the first step or ``build``)."""
         return self._loop
 
-    def scale_loss(self, loss):
-        return self.inner_optimizer.scale_loss(loss)
-
-    def finalize_variable_values(self, var_list):
-        self.inner_optimizer.finalize_variable_values(var_list)
-
     @tracking.no_automatic_dependency_tracking
     def build(self, var_list):
         if not self.inner_optimizer.built:

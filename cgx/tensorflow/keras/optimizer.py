@@ -154,14 +154,6 @@ class DistributedOptimizer(DelegatesToInner, keras.optimizers.Optimizer):
         # Set last: attribute reads fall through to the wrapped optimizer from here on.
         self.inner_optimizer = optimizer
 
-    # -- delegation to the wrapped optimizer ---------------------------------------------
-
-    def scale_loss(self, loss):
-        return self.inner_optimizer.scale_loss(loss)
-
-    def finalize_variable_values(self, var_list):
-        self.inner_optimizer.finalize_variable_values(var_list)
-
     # -- building and applying ----------------------------------------------------------
 
     @tracking.no_automatic_dependency_tracking
