@@ -72,14 +72,16 @@ def _weights(model):
     return [torch.from_numpy(np.asarray(w)) for w in model.get_weights()]
 
 
-def fit_with_callbacks_and_validation(hvd, shard):
+def fit_with_callbacks_and_validation(hvd, shard, **groups):
     import keras
     x, y = _global_data(STEPS)
     rows = _my_rows(shard, STEPS)
     # Different initial weights per rank: the broadcast callback makes them rank 0's.
     model = _model(seed=hvd.rank())
+    if groups.get("groups") == "first two":
+        groups["groups"] = [model.trainable_variables[:2]]
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                                     compression=_compression(hvd)),
+                                                     compression=_compression(hvd), **groups),
                   loss="mse", jit_compile=False)
     per_rank = GLOBAL_BATCH // hvd.size()
     model.fit(x[rows], y[rows], batch_size=per_rank, epochs=1, shuffle=False, verbose=0,
@@ -89,7 +91,12 @@ def fit_with_callbacks_and_validation(hvd, shard):
     return _weights(model)
 
 
-def custom_tape_loop(hvd, shard):
+def fit_in_user_groups(hvd, shard):
+    """Horovod's groups=: the first two variables in one bucket, the rest in another."""
+    return fit_with_callbacks_and_validation(hvd, shard, groups="first two")
+
+
+def custom_tape_loop(hvd, shard, **groups):
     import keras
     import tensorflow as tf
     import cgx.tensorflow as hvd_tf  # horovod.tensorflow's tape
@@ -101,7 +108,7 @@ def custom_tape_loop(hvd, shard):
     def train_step(xb, yb):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(model(xb) - yb))
-        tape = hvd_tf.DistributedGradientTape(tape, compression=_compression(hvd))
+        tape = hvd_tf.DistributedGradientTape(tape, compression=_compression(hvd), **groups)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply(grads, model.trainable_variables)
 
@@ -109,6 +116,11 @@ def custom_tape_loop(hvd, shard):
         rows = shard(torch.arange(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)).numpy()
         train_step(x[rows], y[rows])
     return _weights(model)
+
+
+def tape_loop_in_num_groups(hvd, shard):
+    """Horovod's num_groups=: the tape's gradients in two buckets inside tf.function."""
+    return custom_tape_loop(hvd, shard, num_groups=2)
 
 
 def _two_wide(seed=0):
@@ -185,7 +197,8 @@ def factors_with_an_extra_loss_term(hvd, shard):
     return _weights(model)
 
 
-PATTERNS = {f.__name__: f for f in (fit_with_callbacks_and_validation, custom_tape_loop,
+PATTERNS = {f.__name__: f for f in (fit_with_callbacks_and_validation, fit_in_user_groups,
+                                    custom_tape_loop, tape_loop_in_num_groups,
                                     factors_with_a_tied_head, factors_with_a_borrowed_kernel,
                                     factors_with_an_extra_loss_term)}
 AUTO_PATTERNS = ("fit_with_callbacks_and_validation", "custom_tape_loop")
