@@ -341,17 +341,17 @@ _exchanges_lock = threading.Lock()
 
 def _shared_exchange(compression, op, predivide, rules, process_set=global_process_set,
                      sparse_as_dense: bool = False, num_groups: int = 0,
-                     groups=None) -> GradientExchange:
-    count, ids = variable_groups(num_groups, groups)
+                     group_ids=None) -> GradientExchange:
     key = (repr(compression), op, float(predivide), repr(rules),
-           getattr(process_set, "process_set_id", 0), bool(sparse_as_dense), count, ids)
+           getattr(process_set, "process_set_id", 0), bool(sparse_as_dense), num_groups,
+           group_ids)
     with _exchanges_lock:
         ex = _exchanges.get(key)
         if ex is None:
             ex = GradientExchange(compression, op, predivide, rules,
                                   label=f"tape{len(_exchanges)}", process_set=process_set,
-                                  sparse_as_dense=sparse_as_dense, num_groups=count,
-                                  group_ids=ids)
+                                  sparse_as_dense=sparse_as_dense, num_groups=num_groups,
+                                  group_ids=group_ids)
             _exchanges[key] = ex
         return ex
 
@@ -404,14 +404,14 @@ class DistributedGradientTape:
         if not isinstance(gradtape, tf.GradientTape):
             raise TypeError(f"gradtape must be a tf.GradientTape, got {type(gradtape).__name__}")
         resolve_process_set(process_set)  # raises now if this rank may not use it
+        num_groups, group_ids = variable_groups(num_groups, groups)
         ExchangeOptions.checked("DistributedGradientTape", op=op,
                                 gradient_predivide_factor=gradient_predivide_factor,
-                                num_groups=variable_groups(num_groups, groups)[0],
-                                process_set=process_set, rules=rules)
+                                num_groups=num_groups, process_set=process_set, rules=rules)
         self._tape = gradtape
         self._names = names_by_id(named_variables, "named_variables")
         self._exchange = _shared_exchange(compression, op, gradient_predivide_factor, rules,
-                                          process_set, sparse_as_dense, num_groups, groups)
+                                          process_set, sparse_as_dense, num_groups, group_ids)
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self.scale_local_gradients = bool(scale_local_gradients)
