@@ -22,6 +22,7 @@ from cgx.comm.consistency import agree, signature
 from cgx.compression import Compression
 from cgx.exchange import ExchangeOptions, GradientPlan
 from cgx.exchange.step import StepRecorder
+from cgx.torch.bucket_exchange import copy_back
 from cgx.collectives import Reducer
 from cgx.comm.torch_dist import TorchTransport
 from cgx.config import CompressionMode, Config
@@ -174,9 +175,7 @@ def _reduce(state: CGXState, bucket: dist.GradBucket, fut: torch.futures.Future,
             _check_layout(state, name, grads, indices)
         outs = state.plan.reduce(list(grads), name=name, step=step, indices=indices,
                                   reducer=state.reducer())
-        for g, o in zip(grads, outs):
-            if o is not g:
-                g.copy_(o.view_as(g))
+        copy_back(grads, outs)
         fut.set_result(bucket.buffer())
     except BaseException as exc:
         fut.set_exception(exc)
