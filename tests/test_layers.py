@@ -28,6 +28,7 @@ LAYERS = (
     ("runtime", ("cgx.runtime", "cgx.process_sets")),
     ("session", ("cgx.session", "cgx.capabilities")),
     ("deciders", ("cgx.adaptive", "cgx.planner")),
+    ("deciding", ("cgx.deciding",)),
     ("exchange", ("cgx.exchange", "cgx.ops")),
     ("local steps", ("cgx.diloco",)),
     ("adapters", ("cgx.torch", "cgx.tensorflow", "cgx")),

@@ -87,6 +87,7 @@ class AdaptiveSchedule:
         self.threads = config.cpu_threads  # of the quantizer in the measurements
         self._errors: Optional[dict] = None  # layer index -> (combined errors, costs)
         self.budget = 0.0
+        self.world = 2  # ranks of the last plan (the candidates' traffic)
 
     # -- what travels now ------------------------------------------------------------
 
@@ -200,21 +201,51 @@ class AdaptiveSchedule:
 
     def _solve(self, layers: list, errors: list, world: int) -> None:
         """The knapsack over ``layers`` (their combined ``errors``); sets their plan."""
-        costs = [[c.traffic(self.shapes[i], world) for c in self.candidates[i]] for i in layers]
-        ref = [self.candidates[i].index(self.reference[i]) for i in layers]
-        self.budget = self.settings.alpha * sum(e[j] for e, j in zip(errors, ref))
-        exact = Candidate(Family.EXACT)
-        for k, i in enumerate(layers):
-            if self.names[i] in self.hidden:  # only exact is offered, and it costs nothing
-                j = self.candidates[i].index(exact)
-                costs[k] = [0.0 if jj == j else math.inf for jj in range(len(costs[k]))]
-        if self.hidden:
-            ref = None  # the uniform default no longer fits the hidden layers' choices
-        solution = solve(costs, errors, self.budget, reference=ref)
-        for i, j in zip(layers, solution.choice):
+        choice, self.budget, costs = self._solution(layers, errors, world, self.hidden)
+        for i, j in zip(layers, choice):
             self.plan[i] = self.candidates[i][j]
+        self.world = world
         self._errors = {**(self._errors or {}),
                         **{i: (errors[k], costs[k]) for k, i in enumerate(layers)}}
+
+    def _solution(self, layers: list, errors: list, world: int, hidden) -> tuple:
+        """``(choice per layer, budget, costs)``: the fewest bytes within the budget, the
+        layers named in ``hidden`` exact."""
+        costs = [[c.traffic(self.shapes[i], world) for c in self.candidates[i]] for i in layers]
+        ref = [self.candidates[i].index(self.reference[i]) for i in layers]
+        budget = self.settings.alpha * sum(e[j] for e, j in zip(errors, ref))
+        exact = Candidate(Family.EXACT)
+        for k, i in enumerate(layers):
+            if self.names[i] in hidden:  # only exact is offered, and it costs nothing
+                j = self.candidates[i].index(exact)
+                costs[k] = [0.0 if jj == j else math.inf for jj in range(len(costs[k]))]
+        solution = solve(costs, errors, budget, reference=None if hidden else ref)
+        return solution.choice, budget, costs
+
+    def alternative(self, hidden: Sequence[int], base: Optional[Sequence] = None) -> list:
+        """The plan the last window's measurements give with the gradients ``hidden`` kept
+        exact (the budget unchanged), without adopting it: a proposal to try. Layers not
+        measured keep their entry of ``base`` (default: the current plan)."""
+        plan = list(self.plan if base is None else base)
+        if not self._errors:
+            return plan
+        layers = sorted(self._errors)
+        names = {self.names[i] for i in hidden}
+        choice, _, _ = self._solution(layers, [self._errors[i][0] for i in layers],
+                                      self.world, names)
+        for i, j in zip(layers, choice):
+            plan[i] = self.candidates[i][j]
+        return plan
+
+    def plan_error(self, plan: Sequence) -> float:
+        """The summed measured error of ``plan`` (a Candidate or None per gradient) over the
+        measured layers: what the error budget bounds."""
+        total = 0.0
+        for i, (errs, _) in (self._errors or {}).items():
+            c = plan[i] if plan[i] is not None else Candidate(Family.EXACT)
+            if c in self.candidates[i]:
+                total += errs[self.candidates[i].index(c)]
+        return total
 
     def _clear_window(self) -> None:
         """Forget the window's measurements (the warm start of the PowerSGD scorer stays)."""

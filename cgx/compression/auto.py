@@ -7,15 +7,32 @@ by the gradient plan of ``DistributedOptimizer``.
 
 from __future__ import annotations
 
+import enum
 from typing import Optional, Sequence
 
 from cgx.compression.policy import Policy
+from cgx.compression.trials import TrialSettings
 from cgx.config import Rounding
 
 FAMILIES = ("quantize", "topk", "powersgd")  # families cgx.adaptive chooses from
 # "exact" alone: every layer travels exact through auto's path (it measures and plans, and
 # exact is the only level): a check of that path against the plain exact exchange.
 EXACT = "exact"
+
+
+class Objective(enum.Enum):
+    """What ``auto`` minimizes within its error budget."""
+
+    BYTES = "bytes"  # the bytes sent (L-GreCo's knapsack)
+    TIME = "time"  # the measured step: the model proposes plans, trials keep the fastest
+
+
+def _objective(value) -> Objective:
+    try:
+        return value if isinstance(value, Objective) else Objective(str(value).lower())
+    except ValueError:
+        raise ValueError(f"objective={value!r}; expected 'bytes' (fewest bytes within the "
+                         "error budget) or 'time' (the fastest measured step within it)") from None
 
 
 def _check_families(families) -> tuple:
@@ -29,6 +46,30 @@ def _check_families(families) -> tuple:
                              f"expected one of: {', '.join(FAMILIES)}, or "
                              f"families=('{EXACT}',) for no compression at all")
     return tuple(str(f).lower() for f in fams)
+
+
+def _check_levels(fams, bits, bucket_sizes, densities, ranks) -> tuple:
+    """The candidate levels, validated: ``(bits, bucket_sizes, densities, ranks)``."""
+    from cgx.config import validate_bits, validate_bucket_size
+    bits = tuple(validate_bits(int(b), "Compression.auto bits") for b in bits)
+    if not bits or any(b > 8 for b in bits):
+        raise ValueError(f"bits={bits!r} must name levels in 1..8")
+    bucket_sizes = tuple(validate_bucket_size(int(b), "Compression.auto bucket_sizes")
+                         for b in bucket_sizes)
+    if not bucket_sizes:
+        raise ValueError("bucket_sizes is empty; e.g. (512, 1024)")
+    from cgx.compression.topk import check_density
+    densities = tuple(check_density(d) for d in densities)
+    if "topk" in [str(f).lower() for f in fams] and not densities:
+        raise ValueError("densities is empty; e.g. (0.001, 0.01)")
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"ranks={tuple(ranks)!r} must be ints >= 1 (columns of the "
+                             "PowerSGD factors)")
+    ranks = tuple(ranks)
+    if "powersgd" in [str(f).lower() for f in fams] and not ranks:
+        raise ValueError("ranks is empty; e.g. (1, 2, 4)")
+    return bits, bucket_sizes, densities, ranks
 
 
 class AutoCompression(Policy):
@@ -59,6 +100,19 @@ class AutoCompression(Policy):
             is cheaper than compressing; from the traced ready times and the measured
             link): they stay exact, and their share of the error budget goes to the others.
         assume_gbit: with ``planner``: plan for a link of this rate instead of measuring it.
+        objective: ``"bytes"`` (default): the plan sending the fewest bytes within the budget.
+            ``"time"``: the fastest step within the budget: at each plan, the model
+            (the planner's simulated step with auto's measured errors) proposes plans -
+            fewest bytes, the planner's, both combined - and beside them the two
+            baselines, every tensor exact in fused buckets (what DDP does) and the uniform
+            default; each within the budget runs ``trial_steps`` steps, the ranks agree
+            on the measured steps and the fastest is kept (fewest bytes among ties);
+            re-tried when the kept plan's step drifts (see :mod:`cgx.deciding`).
+        trial_steps, recheck_every, drift_tolerance: with ``objective="time"``: measured
+            steps per tried plan (>= 1), steps between checks of the kept plan (0: never),
+            the relative change of its step that starts new trials.
+        model_plans: with ``objective="time"``: how many of the model's plans are tried
+            beside the two baselines (>= 0).
         error_feedback: keep residuals, in every family (None: by the optimizer's update
             rule, on under SGD, off under Adam-type optimizers; for an optimizer cgx
             does not know, ``CGX_COMPRESSION_ERROR_FEEDBACK``; see
@@ -75,7 +129,9 @@ class AutoCompression(Policy):
                  ranks: Sequence[int] = (1, 2, 4, 8, 16),
                  rounding: "Optional[Rounding | str]" = None,
                  error_feedback: Optional[bool] = None, planner: bool = False,
-                 assume_gbit: Optional[float] = None):
+                 assume_gbit: Optional[float] = None, objective: "Objective | str" = "bytes",
+                 trial_steps: int = 3, recheck_every: int = 200, drift_tolerance: float = 0.2,
+                 model_plans: int = 2):
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
             raise ValueError(f"alpha={alpha!r} must be a number > 0: the plan's error may be "
                              "alpha times the uniform default's (1.0: as accurate)")
@@ -87,25 +143,8 @@ class AutoCompression(Policy):
         if adjust_every < window:
             raise ValueError(f"adjust_every={adjust_every} is shorter than window={window}: "
                              "each plan needs a full window of statistics")
-        from cgx.config import validate_bits, validate_bucket_size
-        bits = tuple(validate_bits(int(b), "Compression.auto bits") for b in bits)
-        if not bits or any(b > 8 for b in bits):
-            raise ValueError(f"bits={bits!r} must name levels in 1..8")
-        bucket_sizes = tuple(validate_bucket_size(int(b), "Compression.auto bucket_sizes")
-                             for b in bucket_sizes)
-        if not bucket_sizes:
-            raise ValueError("bucket_sizes is empty; e.g. (512, 1024)")
-        from cgx.compression.topk import check_density
-        densities = tuple(check_density(d) for d in densities)
-        if "topk" in [str(f).lower() for f in fams] and not densities:
-            raise ValueError("densities is empty; e.g. (0.001, 0.01)")
-        for r in ranks:
-            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-                raise ValueError(f"ranks={tuple(ranks)!r} must be ints >= 1 (columns of the "
-                                 "PowerSGD factors)")
-        ranks = tuple(ranks)
-        if "powersgd" in [str(f).lower() for f in fams] and not ranks:
-            raise ValueError("ranks is empty; e.g. (1, 2, 4)")
+        bits, bucket_sizes, densities, ranks = _check_levels(fams, bits, bucket_sizes,
+                                                             densities, ranks)
         if rounding is not None and not isinstance(rounding, Rounding):
             try:
                 rounding = Rounding(str(rounding).lower())
@@ -119,6 +158,13 @@ class AutoCompression(Policy):
         if error_feedback is not None and not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True, False or None, got "
                             f"{error_feedback!r}")
+        self.objective = _objective(objective)
+        self.trials = TrialSettings(steps=trial_steps, recheck_every=recheck_every,
+                                    drift_tolerance=drift_tolerance)
+        if isinstance(model_plans, bool) or not isinstance(model_plans, int) or model_plans < 0:
+            raise ValueError(f"model_plans={model_plans!r} must be an int >= 0 (the model's "
+                             "plans tried beside the exact and uniform baselines)")
+        self.model_plans = model_plans
         self.alpha = float(alpha)
         self.families = fams
         self.window, self.adjust_every, self.warmup_steps = window, adjust_every, warmup_steps
@@ -136,4 +182,5 @@ class AutoCompression(Policy):
                 f"ranks={self.ranks}, rounding="
                 f"{None if self.rounding is None else self.rounding.value}, "
                 f"error_feedback={self.error_feedback}, planner={self.planner}, "
-                f"assume_gbit={self.assume_gbit})")
+                f"assume_gbit={self.assume_gbit}, objective={self.objective.value!r}, "
+                f"trials={self.trials}, model_plans={self.model_plans})")

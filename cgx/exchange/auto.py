@@ -19,7 +19,9 @@ from typing import Optional
 from cgx.adaptive import AdaptiveSchedule
 from cgx.adaptive.candidates import Family
 from cgx.compression import ErrorFeedback
+from cgx.compression.auto import Objective
 from cgx.compression.planned import PlannedCompression
+from cgx.deciding import Decider
 from cgx.exchange.modes import Call, GradMode, Mode, Settings, reduce_family, reduce_fused
 from cgx.quant.codec import QuantSpec
 
@@ -65,27 +67,42 @@ class Auto(Mode):
         self.topk = ErrorFeedback(TopKCompressor())
         self.powersgd = PowerSGDCompressor(min_compression_rate=0.0,
                                            error_feedback=cfg.error_feedback)
+        deciding = compression.objective is Objective.TIME
         self.planned = _planner_for(self.adaptive, compression, self.names, shapes,
-                                    base) if compression.planner else None
+                                    base) if compression.planner or deciding else None
+        # objective="time": trials of whole plans decide what travels (cgx.deciding)
+        self.decider = Decider(self.adaptive, self.planned, compression) if deciding else None
         self.last_step: Optional[int] = None
 
     def _replan_when_due(self, step: int, red) -> None:
-        """Re-plan when due (a collective, at the first reduction of a step on every rank)."""
+        """Re-plan when due (a collective, at the first reduction of a step on every rank);
+        with trials, the plan they run or kept."""
         if step == self.last_step:
             return
         self.last_step = step
-        sched = self.adaptive
-        if not sched.due(step):
-            return
-        old = list(sched.plan)
-        hidden = ()
-        if self.planned is not None:  # the planner first: exact where that is as fast
-            self.planned.replan(red.transport, False, step=step, timeline=red.timeline)
-            hidden = [i for i, c in enumerate(self.planned.chosen)
-                      if not c and sched.candidates[i] is not None]
-        sched.replan(step, red.transport, red.config.cpu_threads, red.config.verbose,
-                     hidden=hidden)
-        self._collect_owed(old)
+        sched, verbose = self.adaptive, red.config.verbose
+        trial_plan = None
+        if self.decider is not None:
+            trial_plan = self.decider.on_step(step, red.transport, verbose, red.timeline)
+        if sched.due(step):
+            old = list(sched.plan)
+            hidden = ()
+            if self.planned is not None:  # the planner first: exact where that is as fast
+                self.planned.replan(red.transport, False, step=step, timeline=red.timeline)
+                hidden = [i for i, c in enumerate(self.planned.chosen)
+                          if not c and sched.candidates[i] is not None]
+            if self.decider is not None:  # the fewest bytes alone; the decider combines
+                sched.replan(step, red.transport, red.config.cpu_threads, verbose)
+                self.decider.replanned(step, red.transport, verbose, red.timeline)
+                trial_plan = self.decider.on_step(step, red.transport, verbose, red.timeline)
+            else:
+                sched.replan(step, red.transport, red.config.cpu_threads, verbose,
+                             hidden=hidden)
+            self._collect_owed(old)
+        if trial_plan is not None and trial_plan != sched.plan:
+            old = list(sched.plan)
+            sched.plan[:] = trial_plan
+            self._collect_owed(old)
 
     def _collect_owed(self, old_plan: list) -> None:
         """After a re-plan: what the old compressor of each layer that changed family still
@@ -149,6 +166,8 @@ class Auto(Mode):
                  "auto_powersgd": self.powersgd.state_dict()}
         if self.planned is not None:
             state["planned"] = self.planned.state_dict()
+        if self.decider is not None:
+            state["decider"] = self.decider.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -160,3 +179,5 @@ class Auto(Mode):
                 self.powersgd.load_state_dict(state["auto_powersgd"])
         if self.planned is not None and "planned" in state:
             self.planned.load_state_dict(state["planned"])
+        if self.decider is not None and "decider" in state:
+            self.decider.load_state_dict(state["decider"])

@@ -163,6 +163,11 @@ class GradientPlan:
         """PLANNED (and AUTO with the planner): the ``PlannedSchedule``; else None."""
         return getattr(self.reduction, "planned", None)
 
+    @property
+    def decider(self):
+        """AUTO with ``objective="time"``: the trials' :class:`cgx.deciding.Decider`; else None."""
+        return getattr(self.reduction, "decider", None)
+
     def reduce(self, grads: list, *, name: str, step: Optional[int] = None,
                indices: Optional[Sequence[int]] = None, shadow: bool = False,
                reducer=None) -> list:

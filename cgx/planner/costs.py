@@ -187,6 +187,15 @@ class OptionMaker:
         shared = compress_s + decompress_s + moved if self.contention else 0.0
         return Option(name, compress_s, wire, decompress_s, linear, calls, shared)
 
+    def payload(self, name: str, t: TensorProfile, nbytes: int,
+                kind: Collective = Collective.ALLGATHER) -> Option:
+        """A compressor the model knows by its bytes only (top-k, PowerSGD): ``nbytes`` sent
+        per rank through ``kind``, one pass over the input each way at the quantizer's
+        speeds."""
+        n4 = 4 * t.numel
+        return self._option(name, n4 / self.compress_bps, ((kind, int(nbytes)),),
+                            n4 / self.decompress_bps)
+
     def __call__(self, t: TensorProfile, bucket: int = 1024) -> list[Option]:
         P, n, make = self.P, t.numel, self._option
         AR, A2A, AG = Collective.ALLREDUCE, Collective.ALLTOALL, Collective.ALLGATHER

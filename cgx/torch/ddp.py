@@ -21,6 +21,7 @@ from cgx.adaptive.compensation import UpdateRule, update_rule_of
 from cgx.comm.consistency import agree, signature
 from cgx.compression import Compression
 from cgx.exchange import ExchangeOptions, GradientPlan
+from cgx.torch.plan_views import PlanViews
 from cgx.exchange.step import StepRecorder
 from cgx.torch.bucket_exchange import copy_back
 from cgx.collectives import Reducer
@@ -30,7 +31,7 @@ from cgx.config import CompressionMode, Config
 STATE_FORMAT = 2  # 1: residuals beside the plan (still read)
 
 
-class CGXState:
+class CGXState(PlanViews):
     """All the hook's state: settings, per-parameter specs, error-feedback residuals, counters.
 
     Args:
@@ -110,11 +111,8 @@ class CGXState:
             self.plan.residuals.residuals.update(
                 {k: v.detach().clone() for k, v in state["residuals"].items()})
 
-    def compression_plan(self) -> list:
-        """Per parameter: layer, shape, family, level, bytes, error and share of the error
-        budget (``compression="auto"``: see ``cgx.adaptive.format_levels``; else the fixed
-        per-layer specs)."""
-        return self.plan.compression_plan()
+    def gradient_plan(self) -> GradientPlan:
+        return self.plan
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

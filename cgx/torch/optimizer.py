@@ -48,6 +48,7 @@ from cgx.torch.bucket_exchange import BucketExchange, Layout, make_buckets, step
 from cgx.torch.factor_layers import FactorLayers
 from cgx.torch.grad_hooks import GradHooks
 from cgx.torch.sparse_gradients import SparseGradients
+from cgx.torch.plan_views import PlanViews
 from cgx.torch.wrapped_optimizer import WrappedOptimizer
 from cgx.ops import Average
 from cgx.process_sets import global_process_set
@@ -62,7 +63,7 @@ ZERO_GRAD_IN_FLIGHT = ("optimizer.zero_grad() was called after loss.backward() b
                        "being reduced. Call zero_grad() before backward() or after step()")
 
 
-class DistributedOptimizer(WrappedOptimizer):
+class DistributedOptimizer(PlanViews, WrappedOptimizer):
     """Wraps ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     Same arguments as ``horovod.torch.DistributedOptimizer``, plus ``rules``.
@@ -234,28 +235,8 @@ class DistributedOptimizer(WrappedOptimizer):
     def _specs(self) -> list:
         return self._plan.specs
 
-    def compression_plan(self) -> list[dict]:
-        """Per parameter: layer, shape, family, level, bytes, error and share of the error
-        budget of the current plan (``compression="auto"``; else the fixed settings).
-
-        Example::
-
-            from cgx.adaptive import format_levels
-            print(format_levels(opt.compression_plan()))
-        """
-        return self._plan.compression_plan()
-
-    def exchange_plan(self):
-        """The planner's decision with ``compression=Compression.planned(...)``: a
-        :class:`cgx.planner.ExchangePlan` (``cgx.planner.format_exchange`` prints it per tensor), or
-        None while the first steps are traced (and in other modes)."""
-        return self._plan.planned.plan if self._plan.planned is not None else None
-
-    def exchange_checks(self) -> list:
-        """With ``Compression.planned(...)``: every drift check so far, as
-        :class:`cgx.planner.schedule.DriftCheck` (step, predicted and measured step time,
-        whether it re-planned); empty in other modes."""
-        return list(self._plan.planned.checks) if self._plan.planned is not None else []
+    def gradient_plan(self) -> GradientPlan:
+        return self._plan
 
     def synchronize(self) -> None:
         """Finish the gradient exchange of this step: afterwards ``p.grad`` holds the average.

@@ -1,0 +1,45 @@
+"""The settings of trials (``Compression.auto(objective="time")``): how long each proposed
+plan runs and how the kept one is watched. Held and validated here; run by
+:mod:`cgx.deciding.trials`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# The settings' names as Compression.auto spells them.
+_ARG = {"steps": "trial_steps", "settle_steps": "trial_settle_steps"}
+
+
+@dataclasses.dataclass
+class TrialSettings:
+    """How long plans are tried and how the kept one is watched.
+
+    Args:
+        steps: measured steps per plan (>= 1).
+        settle_steps: steps after a switch that are not measured (>= 0).
+        recheck_every: steps between checks of the kept plan (0: never re-tried).
+        drift_tolerance: relative change of the kept plan's step that starts a new round.
+        tie_tolerance: plans within this fraction of the fastest count as equally fast;
+            the one that sends fewest bytes is kept.
+    """
+
+    steps: int = 3
+    settle_steps: int = 1
+    recheck_every: int = 200
+    drift_tolerance: float = 0.2
+    tie_tolerance: float = 0.02
+
+    def __post_init__(self):
+        for name, lo in (("steps", 1), ("settle_steps", 0), ("recheck_every", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{_ARG.get(name, name)}={v!r} must be an int >= {lo}")
+        for name in ("drift_tolerance", "tie_tolerance"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"{_ARG.get(name, name)}={v!r} must be a number >= 0")
+
+    @property
+    def turn(self) -> int:
+        """Steps each plan travels in a round."""
+        return self.settle_steps + self.steps

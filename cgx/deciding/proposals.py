@@ -1,0 +1,128 @@
+"""What the model proposes for a round of trials: whole-exchange plans with their bytes,
+measured error and simulated step.
+
+A plan is one :class:`cgx.adaptive.candidates.Candidate` (or None: not planned, exact)
+per gradient. The proposals of one round:
+
+- ``exact``: every gradient exact, in fused buckets (what DDP does);
+- ``uniform``: the uniform default level wherever the rules allow (what fixed 4-bit does);
+- ``planner``: the planner's choice (:mod:`cgx.planner`): the uniform level where compressing
+  shortens the simulated step, exact where the exchange hides under backward;
+- ``fewest bytes``: auto's knapsack (:mod:`cgx.adaptive`): the fewest bytes within the error
+  budget, every family offered;
+- ``planner + fewest bytes``: the knapsack with the planner's exact tensors kept exact, their
+  share of the budget spent on the others.
+
+Each plan's error is the sum of its layers' measured errors (auto's table, combined over
+ranks), its step the planner's simulation of it (its timeline, the calibrated link and
+quantizer, the CPU the exchange takes from backward), both agreed on every rank: every rank
+proposes the same plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+from cgx.adaptive.candidates import Candidate, Family
+from cgx.deciding.trials import PlanRecord
+from cgx.planner.costs import Collective, OptionMaker
+from cgx.planner.simulator import simulate
+
+
+@dataclasses.dataclass
+class Proposal:
+    """A plan and its record (label, kind, bytes, error, predicted step)."""
+
+    record: PlanRecord
+    plan: list  # a Candidate or None per gradient
+
+
+def _option(c: Optional[Candidate], t, makers: dict, world: int):
+    """The planner's option for candidate ``c`` of tensor ``t``."""
+    m = makers["exact"]
+    if c is None or c.family is Family.EXACT:
+        return m(t)[0]
+    if c.family is Family.QUANTIZE:
+        key = ("q", c.bits)
+        if key not in makers:
+            makers[key] = OptionMaker(m.m, (c.bits,), ("exact", makers["family"]))
+        return makers[key](t, c.bucket_size)[-1]
+    kind = Collective.ALLGATHER if c.family is Family.TOPK else Collective.ALLREDUCE
+    shape = t.shape if t.shape is not None else (t.numel,)
+    return m.payload(c.label, t, int(c.traffic(shape, world)), kind)
+
+
+def predicted_step(plan: Sequence, exchange, family: str = "sra") -> float:
+    """The simulated step of ``plan`` on the planner's last exchange plan (its tensors,
+    fusion groups, cost model, backward and tail)."""
+    model = exchange.model
+    makers = {"exact": OptionMaker(model, (4,), ("exact", family)), "family": family}
+    options = [_option(c, t, makers, model.world) for c, t in zip(plan, exchange.tensors)]
+    return simulate(exchange.tensors, options, exchange.groups, model, exchange.backward_s,
+                    exchange.tail_s).step_s
+
+
+def plan_bytes(plan: Sequence, shapes: Sequence, world: int) -> int:
+    """Bytes one rank sends per step with ``plan``."""
+    exact = Candidate(Family.EXACT)
+    return int(sum((c or exact).traffic(s, world) for c, s in zip(plan, shapes)))
+
+
+def error_budget(adaptive) -> float:
+    """``alpha`` times the uniform default's measured error: what no kept plan exceeds."""
+    return adaptive.settings.alpha * adaptive.plan_error(adaptive.reference)
+
+
+def propose(adaptive, planned, fewest: Sequence, world: int,
+            family: str = "sra") -> list[Proposal]:
+    """The round's plans (see the module doc), duplicates dropped, each with its record.
+
+    ``adaptive``: the :class:`cgx.adaptive.AdaptiveSchedule` (its measured errors);
+    ``planned``: the :class:`cgx.planner.schedule.PlannedSchedule` just re-planned (its
+    ``chosen`` and ``plan``); ``fewest``: auto's fewest-bytes plan of the same errors."""
+    exact = Candidate(Family.EXACT)
+    uniform = list(adaptive.reference)
+    time_plan = [ref if (ref is not None and chosen) else (None if ref is None else exact)
+                 for ref, chosen in zip(uniform, planned.chosen)]
+    hidden = [i for i, c in enumerate(planned.chosen)
+              if not c and adaptive.candidates[i] is not None]
+    plans = [("exact (fused)", "exact", [None if c is None else exact for c in uniform]),
+             ("uniform " + adaptive.default.label, "uniform", uniform),
+             ("planner", "model", time_plan),
+             ("fewest bytes", "model", list(fewest)),
+             ("planner + fewest bytes", "model", adaptive.alternative(hidden, fewest))]
+    budget = error_budget(adaptive)
+    out, seen = [], []
+    for label, kind, plan in plans:
+        if plan in seen:
+            continue
+        seen.append(plan)
+        error = adaptive.plan_error(plan)
+        record = PlanRecord(label, kind, plan_bytes(plan, adaptive.shapes, world), error,
+                            predicted_step(plan, planned.plan, family),
+                            eligible=kind == "exact" or error <= budget * (1 + 1e-9))
+        out.append(Proposal(record, plan))
+    return out
+
+
+def select(proposals: Sequence[Proposal], model_plans: int, corrected) -> list[Proposal]:
+    """What a round tries: the two baselines (when within the budget) and the
+    ``model_plans`` model plans within the budget with the shortest corrected predicted
+    step (``corrected(record)``: the prediction times what earlier rounds measured)."""
+    base = [p for p in proposals if p.record.kind != "model" and p.record.eligible]
+    model = sorted((p for p in proposals if p.record.kind == "model" and p.record.eligible),
+                   key=lambda p: corrected(p.record))
+    chosen = base + model[:model_plans]
+    for p in chosen:
+        p.record.predicted_s = corrected(p.record)
+    return chosen
+
+
+def plan_to_lists(plan: Sequence, names: Sequence[str]) -> dict:
+    """A plan as plain values by gradient name (checkpoints)."""
+    return {n: c.as_list() for n, c in zip(names, plan) if c is not None}
+
+
+def plan_from_lists(saved: dict, names: Sequence[str]) -> list:
+    return [Candidate.from_list(saved[n]) if n in saved else None for n in names]

@@ -1,0 +1,43 @@
+"""What an exchange decided, as its users ask for it: one mixin for the optimizer and the
+DDP hook's state (both hold a :class:`cgx.exchange.plan.GradientPlan`)."""
+
+from __future__ import annotations
+
+
+class PlanViews:
+    """The views of the gradient plan returned by :meth:`gradient_plan`."""
+
+    def gradient_plan(self):
+        raise NotImplementedError
+
+    def compression_plan(self) -> list[dict]:
+        """Per parameter: layer, shape, family, level, bytes, error and share of the error
+        budget of the current plan (``compression="auto"``; else the fixed settings).
+
+        Example::
+
+            from cgx.adaptive import format_levels
+            print(format_levels(opt.compression_plan()))
+        """
+        return self.gradient_plan().compression_plan()
+
+    def exchange_plan(self):
+        """The planner's decision with ``compression=Compression.planned(...)``: a
+        :class:`cgx.planner.ExchangePlan` (``cgx.planner.format_exchange`` prints it per tensor), or
+        None while the first steps are traced (and in other modes)."""
+        planned = self.gradient_plan().planned
+        return planned.plan if planned is not None else None
+
+    def exchange_checks(self) -> list:
+        """With ``Compression.planned(...)``: every drift check so far, as
+        :class:`cgx.planner.schedule.DriftCheck` (step, predicted and measured step time,
+        whether it re-planned); empty in other modes."""
+        planned = self.gradient_plan().planned
+        return list(planned.checks) if planned is not None else []
+
+    def exchange_trials(self) -> list[dict]:
+        """With ``Compression.auto(objective="time")``: every round of trials so far (see
+        :meth:`cgx.deciding.Decider.rounds`: the plans tried, measured and predicted step,
+        bytes, error, the budget, the plan kept); empty in other modes."""
+        decider = self.gradient_plan().decider
+        return decider.rounds() if decider is not None else []

@@ -1,0 +1,126 @@
+"""The trials' state machine on one process: which plan travels, what is measured, what is
+kept, when a round starts again, and what a checkpoint keeps."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from cgx.compression import Compression
+from cgx.compression.trials import TrialSettings
+from cgx.deciding.trials import Event, Phase, PlanRecord, Trials, choose, format_trials
+
+ONE = types.SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))
+
+
+def _records():
+    return [PlanRecord("exact", "exact", 1000, 0.0, 0.010),
+            PlanRecord("uniform", "uniform", 150, 1.0, 0.008),
+            PlanRecord("model", "model", 100, 0.9, 0.006)]
+
+
+def _run(trials, times, first=10):
+    """Tick steps ``first, first + 1, ...``; the step that starts ``i``-th lasts
+    ``times[i](plan)`` seconds (one clock per Trials object, as a process has)."""
+    events, plans = [], []
+    now = getattr(trials, "fake_clock", 0.0)
+    for step in range(first, first + len(times)):
+        events.append(trials.tick(step, now, ONE))
+        k = trials.plan_at(step)
+        plans.append(k)
+        now += times[step - first](k)
+    trials.fake_clock = now
+    return events, plans
+
+
+def test_choose_takes_the_fastest_within_the_budget_and_breaks_ties_by_bytes():
+    r = _records()
+    for rec, m in zip(r, (0.010, 0.0081, 0.008)):
+        rec.measured_s = m
+    assert choose(r, 0.0) == 2
+    assert choose(r, 0.02) == 2  # 8.1 ms ties 8.0 ms; model sends fewer bytes anyway
+    r[2].eligible = False  # over the error budget: never kept, however fast
+    assert choose(r, 0.0) == 1
+    r[1].measured_s = 0.0101
+    assert choose(r, 0.02) == 1  # within 2% of exact's 10 ms: fewer bytes wins the tie
+    assert choose(r, 0.0) == 0
+    for rec in r:
+        rec.eligible = False
+    with pytest.raises(ValueError, match="within the error budget"):
+        choose(r, 0.0)
+
+
+def test_a_round_runs_each_plan_in_turn_measures_after_settling_and_keeps_the_fastest():
+    s = TrialSettings(steps=2, settle_steps=1, recheck_every=0)
+    t = Trials(s)
+    t.begin(10, _records())
+    durations = {0: 0.030, 1: 0.020, 2: 0.025}
+    # the first step of each turn (the switch) is slow: it must not count
+    times = [lambda k, i=i: durations[k] + (1.0 if i % 3 == 0 else 0.0) for i in range(12)]
+    events, plans = _run(t, times)
+    assert plans[:9] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert events[9] is Event.DECIDED and t.phase is Phase.DECIDED
+    assert [r.measured_s for r in t.records] == pytest.approx([0.030, 0.020, 0.025])
+    assert t.chosen == 1 and plans[9:] == [1, 1, 1]
+    assert t.history[-1]["start"] == 10 and t.history[-1]["step"] == 19
+    # what the clock said against what the model said, per kind
+    assert t.corrections == pytest.approx({"exact": 3.0, "uniform": 2.5, "model": 25 / 6})
+    assert t.predicted(PlanRecord("m2", "model", 1, 0.0, 0.002)) == pytest.approx(0.002 * 25 / 6)
+    table = format_trials(t.records, t.chosen)
+    assert "uniform (kept) | 20.0 ms | 8.0 ms | 150" in table
+
+
+def test_the_kept_plan_is_checked_and_a_drift_either_way_starts_again():
+    s = TrialSettings(steps=1, settle_steps=0, recheck_every=4, drift_tolerance=0.2)
+    t = Trials(s)
+    t.begin(0, _records()[:2])
+    base = {0: 0.010, 1: 0.020}
+    events, _ = _run(t, [lambda k: base[k]] * 7, first=0)  # decided at 2; checks at 6, 10
+    assert t.chosen == 0 and Event.RETRIAL not in events
+    events, _ = _run(t, [lambda k: 0.011] * 4, first=7)  # +10%: within the tolerance
+    assert events[3] is Event.NONE  # step 10's check
+    events, _ = _run(t, [lambda k: 0.030] * 4, first=11)  # the link got slower
+    assert events[3] is Event.RETRIAL  # step 14's check
+    t.begin(14, _records()[:2])
+    _run(t, [lambda k: {0: 0.030, 1: 0.021}[k]] * 3, first=14)
+    assert t.chosen == 1 and t.rounds == 2
+    events, _ = _run(t, [lambda k: 0.005] * 4, first=17)  # faster again: also a drift
+    assert events[3] is Event.RETRIAL
+
+
+def test_a_checkpoint_taken_mid_round_continues_the_round():
+    s = TrialSettings(steps=2, settle_steps=1, recheck_every=0)
+    a, b = Trials(s), Trials(s)
+    a.begin(0, _records())
+    times = [lambda k: (0.03, 0.02, 0.01)[k]] * 5
+    _run(a, times, first=0)
+    b.load_state_dict(a.state_dict())
+    assert b.plan_at(5) == a.plan_at(5) == 1 and b.phase is Phase.TRIAL
+    rest = [lambda k: (0.03, 0.02, 0.01)[k]] * 6
+    _run(a, rest, first=5)
+    _run(b, rest, first=5)
+    assert a.chosen == b.chosen == 2
+    # the resumed run's first step is not timed against the old process's clock
+    assert b.records[1].measured_s == pytest.approx(0.02)
+    assert a.state_dict()["corrections"] == pytest.approx(b.state_dict()["corrections"])
+
+
+def test_settings_are_checked_at_construction():
+    with pytest.raises(ValueError, match="trial_steps=0"):
+        Compression.auto(objective="time", trial_steps=0)
+    with pytest.raises(ValueError, match="alpha=0"):
+        Compression.auto(objective="time", alpha=0)
+    with pytest.raises(ValueError, match="alpha=-1"):
+        Compression.auto(objective="time", alpha=-1)
+    with pytest.raises(ValueError, match="families is empty"):
+        Compression.auto(objective="time", families=())
+    with pytest.raises(ValueError, match="objective='fastest'"):
+        Compression.auto(objective="fastest")
+    with pytest.raises(ValueError, match="model_plans"):
+        Compression.auto(objective="time", model_plans=-1)
+    with pytest.raises(ValueError, match="drift_tolerance"):
+        Compression.auto(objective="time", drift_tolerance=-0.1)
+    with pytest.raises(ValueError, match="at least one plan"):
+        Trials(TrialSettings()).begin(0, [])
