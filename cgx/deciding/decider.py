@@ -16,6 +16,7 @@ import time
 from typing import Optional
 
 from cgx.compression.auto import AutoCompression
+from cgx.planner.calibration import link_probe
 from cgx.deciding.proposals import (error_budget, plan_from_lists, plan_to_lists, propose,
                                     select)
 from cgx.deciding.trials import Event, Phase, Trials, format_trials
@@ -66,7 +67,8 @@ class Decider:
                 timeline=None) -> Optional[list]:
         """At the first reduction of ``step`` (every rank): time the last step, end a round or
         re-try when due; the plan that travels now (None: no round yet, auto's own)."""
-        event = self.trials.tick(step, time.perf_counter(), transport)
+        event = self.trials.tick(step, time.perf_counter(), transport,
+                                 probe=lambda: link_probe(transport))
         if event is Event.DECIDED:
             self._report(step, transport, verbose, timeline)
         elif event is Event.RETRIAL:

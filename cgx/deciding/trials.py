@@ -33,6 +33,10 @@ import torch
 from cgx.compression.trials import TrialSettings
 
 STATE_FORMAT = 1
+# A link probe this much slower or faster (relative) than at the decision starts a new round:
+# the kept plan's own step may hardly move when the link changes (a compressed plan's step
+# is mostly compute and compression), but which plan is fastest does.
+LINK_CHANGE = 0.5
 
 
 class Phase(enum.Enum):
@@ -99,6 +103,7 @@ class Trials:
         # learned measured/predicted per plan kind (1.0 until measured)
         self.corrections: dict[str, float] = {}
         self.budget = 0.0  # the current round's error budget
+        self.link_s: Optional[float] = None  # the link probe at the decision
         self._times: list[list[float]] = []  # this rank's measured steps per record
         self._since_check: list[float] = []  # the kept plan's steps since the last check
         self._last: Optional[tuple[int, float]] = None  # (step, start time) of the latest
@@ -132,19 +137,26 @@ class Trials:
         return record.predicted_s * self.corrections.get(record.kind, 1.0)
 
     # -- the step clock (engine thread, every rank, first reduction of each step) ---------
-    def tick(self, step: int, now: float, transport) -> Event:
+    def tick(self, step: int, now: float, transport, probe=None) -> Event:
         """Step ``step`` starts at ``now``: time the previous one; end a round or check the
-        kept plan when due (collectives: every rank calls this at the same steps)."""
+        kept plan when due (collectives: every rank calls this at the same steps).
+        ``probe``: a function reading the link's speed now (seconds of a fixed collective,
+        agreed), taken at each decision and check."""
         prev, self._last = self._last, (step, now)
         if prev is not None and prev[0] == step - 1:
             self._record(prev[0], now - prev[1])
         if self.phase is Phase.TRIAL and step >= self.end_step():
             self._decide(step, transport)
+            self.link_s = probe() if probe is not None else None
             return Event.DECIDED
         every = self.settings.recheck_every
         if self.phase is Phase.DECIDED and every and step > self.decided_at \
                 and (step - self.decided_at) % every == 0:
-            return Event.RETRIAL if self._drifted(transport) else Event.NONE
+            drifted = self._drifted(transport)
+            link = probe() if probe is not None else None
+            if link and self.link_s and abs(link / self.link_s - 1.0) > LINK_CHANGE:
+                drifted = True
+            return Event.RETRIAL if drifted else Event.NONE
         return Event.NONE
 
     def _record(self, step: int, seconds: float) -> None:
@@ -194,7 +206,7 @@ class Trials:
                 "start": self.start, "chosen": self.chosen, "decided_at": self.decided_at,
                 "rounds": self.rounds, "history": list(self.history),
                 "corrections": dict(self.corrections), "budget": self.budget,
-                "times": [list(t) for t in self._times],
+                "link_s": self.link_s, "times": [list(t) for t in self._times],
                 "since_check": list(self._since_check)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -208,6 +220,7 @@ class Trials:
         self.history = list(state["history"])
         self.corrections = {k: float(v) for k, v in state["corrections"].items()}
         self.budget = float(state["budget"])
+        self.link_s = state["link_s"]
         self._times = [[float(x) for x in t] for t in state["times"]]
         self._since_check = [float(x) for x in state["since_check"]]
         self._last = None  # a resumed run's first step is not timed against the old run's

@@ -64,13 +64,44 @@ def _fit(small: tuple[int, float], large: tuple[int, float],
     return AlphaBeta(max(t0 - beta * b0, 0.0), beta, max(cpu[1] - cpu[0], 0.0) / max(b1 - b0, 1))
 
 
-def link_model(transport, sizes=(1 << 12, 1 << 24), reps: int = 3) -> dict[Collective, AlphaBeta]:
+def large_probe_bytes(transport, target_s: float = 0.05, lo: int = 1 << 16,
+                      hi: int = 1 << 24) -> int:
+    """The large size of the link's fit: about ``target_s`` seconds of one allreduce on this
+    link (a power of two in [lo, hi], agreed by every rank), so a slow link is measured in
+    a fraction of a second instead of seconds per call. A collective."""
+    numel = 1 << 18  # 1 MB
+    took = link_probe(transport, numel, warm=True)
+    sent = 2 * (transport.size - 1) * numel * 4 // transport.size
+    want = sent / max(took, 1e-9) * target_s
+    return int(min(max(1 << max(int(want).bit_length() - 1, 0), lo), hi))
+
+
+def link_probe(transport, numel: int = 1 << 18, warm: bool = False) -> float:
+    """Seconds of one float32 allreduce of ``numel`` values after a barrier, the slowest
+    rank's (a collective): a cheap reading of the link's speed now."""
+    from cgx.comm.base import ReduceOp
+    ar = torch.zeros(numel, dtype=torch.float32, device=transport.device)
+    if warm:
+        transport.allreduce(ar)
+    transport.barrier()
+    t0 = time.perf_counter()
+    transport.allreduce(ar)
+    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=transport.device)
+    transport.allreduce(took, ReduceOp.MAX)
+    return float(took.item())
+
+
+def link_model(transport, sizes=None, reps: int = 3) -> dict[Collective, AlphaBeta]:
     """Fit ``alpha + beta x bytes sent per rank`` for each collective of ``transport``, and
-    its CPU seconds per byte (``AlphaBeta.cpu``)."""
+    its CPU seconds per byte (``AlphaBeta.cpu``). ``sizes``: the small and large payloads
+    in bytes (default: 4 KiB, and :func:`large_probe_bytes`: up to 16 MiB, less on a slow
+    link)."""
     P = transport.size
     dev = transport.device
     if P == 1:
         return {c: AlphaBeta(0.0, 0.0) for c in Collective}
+    if sizes is None:
+        sizes = (1 << 12, large_probe_bytes(transport))
     measured: dict[Collective, list[tuple[int, float]]] = {c: [] for c in Collective}
     cpu: dict[Collective, list[float]] = {c: [] for c in Collective}
     for n in sizes:
