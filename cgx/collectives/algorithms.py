@@ -38,6 +38,7 @@ import torch
 from cgx.comm.base import Transport
 from cgx.compression import wire
 from cgx.quant.codec import dequantize, quantize
+from cgx.collectives import offload
 from cgx.collectives.layout import Block, Piece, FusionLayout
 from cgx.collectives.pipeline import BlockProgram, PhaseTimer
 from cgx.config import ReductionType
@@ -64,6 +65,10 @@ class ReduceContext:
             residual stays valid when the chunk boundaries move (another set of
             tensors fused, another world size) or is added to the next gradient
             when its tensor travels exact.
+        placements: optional ``offload.Placement`` per entry of ``tensors``: with
+            ``CPU_OFFLOAD``, a CUDA tensor's pieces are (de)quantized by the C path on
+            pinned host copies (``cgx.collectives.offload``), with the same bytes and
+            values; None, ``GPU`` or a CPU tensor: the codec as usual.
     """
 
     tensors: Sequence[torch.Tensor]
@@ -76,6 +81,7 @@ class ReduceContext:
     backend: str = "auto"
     threads: int = 1  # CPU threads per (de)compression call (CGX_CPU_THREADS)
     residuals: Optional[Sequence[torch.Tensor]] = None
+    placements: Optional[Sequence[offload.Placement]] = None
 
     def key(self, stage: int) -> int:
         return wire.noise_key(self.seed, self.step, self.buffer_id, stage)
@@ -89,6 +95,13 @@ class ReduceContext:
 
     def values(self, p: Piece) -> torch.Tensor:
         return self.tensors[p.segment][p.offset: p.offset + p.numel]
+
+    def _codec(self, p: Piece):
+        """The (quantize, dequantize) pair for piece ``p``'s tensor."""
+        if self.placements is not None and \
+                self.placements[p.segment] is offload.Placement.CPU_OFFLOAD:
+            return offload.quantize, offload.dequantize
+        return quantize, dequantize
 
     def compress(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int, stage: int,
                  write_back: bool = False, unit: float = 1.0) -> None:
@@ -104,10 +117,11 @@ class ReduceContext:
         for p in pieces:
             x = self.values(p)
             out = buf[base + p.byte_offset: base + p.byte_offset + p.nbytes]
+            encode = self._codec(p)[0]
             if self.residuals is None:
-                quantize(x, p.spec, out=out, key=key, index_offset=p.index,
-                         write_back=write_back, backend=self.backend, threads=self.threads,
-                         rotation_key=self.rotation_key)
+                encode(x, p.spec, out=out, key=key, index_offset=p.index,
+                       write_back=write_back, backend=self.backend, threads=self.threads,
+                       rotation_key=self.rotation_key)
                 continue
             e = self.residuals[p.segment][p.offset: p.offset + p.numel]
             if unit == 1.0:
@@ -116,8 +130,8 @@ class ReduceContext:
             else:
                 x.add_(e, alpha=unit)
                 e.copy_(x)
-            quantize(x, p.spec, out=out, key=key, index_offset=p.index, write_back=True,
-                     backend=self.backend, threads=self.threads, rotation_key=self.rotation_key)
+            encode(x, p.spec, out=out, key=key, index_offset=p.index, write_back=True,
+                   backend=self.backend, threads=self.threads, rotation_key=self.rotation_key)
             e.sub_(x)  # e = v - decoded(v)
             if unit != 1.0:
                 e.div_(unit)
@@ -125,9 +139,10 @@ class ReduceContext:
     def decode(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int,
                accumulate: bool) -> None:
         for p in pieces:
-            dequantize(buf[base + p.byte_offset: base + p.byte_offset + p.nbytes], p.numel, p.spec,
-                       out=self.values(p), accumulate=accumulate, backend=self.backend,
-                       threads=self.threads, rotation_key=self.rotation_key)
+            decode = self._codec(p)[1]
+            decode(buf[base + p.byte_offset: base + p.byte_offset + p.nbytes], p.numel, p.spec,
+                   out=self.values(p), accumulate=accumulate, backend=self.backend,
+                   threads=self.threads, rotation_key=self.rotation_key)
 
     def scale_meta(self, pieces: Sequence[Piece], buf: torch.Tensor, base: int) -> None:
         """Multiply every bucket's (unit, min) in ``buf`` by ``scale``.

@@ -31,7 +31,7 @@ from cgx.comm.base import ReduceOp, SentBytes, Transport, count_sent, scale_
 from cgx.quant.codec import FLOAT_DTYPES, QuantSpec
 from cgx.config import Config, Hierarchy, ReductionType
 from cgx.collectives import algorithms as alg
-from cgx.collectives import pipeline
+from cgx.collectives import offload, pipeline
 from cgx.collectives.engine import Engine, Handle
 from cgx.collectives.layout import make_plan
 from cgx.timeline import Timeline
@@ -188,7 +188,9 @@ class Reducer:
                   postscale_factor: float = 1.0, algorithm: Optional[ReductionType] = None,
                   name: Optional[str] = None,
                   residuals: Optional[Sequence[Optional[torch.Tensor]]] = None,
-                  step: Optional[int] = None) -> ReduceStats:
+                  step: Optional[int] = None,
+                  placements: Optional[Sequence[Optional[offload.Placement]]] = None
+                  ) -> ReduceStats:
         """Reduce ``tensors`` in place over the group; returns this call's stats.
 
         Args:
@@ -206,6 +208,9 @@ class Reducer:
                 ALLGATHER only; see ``algorithms.ReduceContext``).
             step: step number for the stochastic-rounding key (default: this
                 reducer's call counter); callers that checkpoint pass their own.
+            placements: where each compressed CUDA tensor is (de)quantized
+                (``cgx.collectives.offload.Placement``; None: on the GPU); the same
+                bytes and values either way; CPU tensors ignore it.
         """
         tensors, specs = self._validate(tensors, specs, op)
         t_start = time.perf_counter()
@@ -228,7 +233,8 @@ class Reducer:
                 segs = tuple((v.numel(), specs[i]) for v, i in zip(views, comp))
                 res = _check_residuals(residuals, tensors, comp, algorithm, self.hierarchical)
                 self._compressed(views, segs, algorithm, scale, buffer_id, timer, res,
-                                 self.calls if step is None else step)
+                                 self.calls if step is None else step,
+                                 offload.placements_of(placements, len(tensors), comp))
                 if res is not None:
                     _sanitize_residuals(res)
                 fp32_wire += _plain_wire_bytes(sum(v.numel() * 4 for v in views), world)
@@ -360,10 +366,10 @@ class Reducer:
                                  threads=self.config.cpu_threads)
 
     def _compressed(self, views, segs, algorithm, scale, buffer_id, timer, residuals,
-                    step) -> None:
+                    step, placements=None) -> None:
         if not self.hierarchical:
             ctx = self._ctx(views, self.transport, scale, buffer_id, timer, step)
-            ctx.residuals = residuals
+            ctx.residuals, ctx.placements = residuals, placements
             self._run(algorithm, ctx, segs, self.transport.size)
             return
         # Hierarchical: reduce-scatter inside the node, reduce this rank's slice
@@ -371,13 +377,16 @@ class Reducer:
         local, cross = self.local, self.cross
         plan = make_plan(segs, local.size, self._block_numel(segs))
         lctx = self._ctx(views, local, 1.0, buffer_id * 3, timer, step)
+        lctx.placements = placements
         pipeline.run((alg.sra_scatter(lctx, b) for b in plan.blocks), PIPELINE_DEPTH, timer)
         pieces = [p for b in plan.blocks for p in b.chunks[local.rank]]
         cviews = [lctx.values(p) for p in pieces]
         cctx = self._ctx(cviews, cross, scale, buffer_id * 3 + 1, timer, step)
+        cctx.placements = placements and [placements[p.segment] for p in pieces]
         self._run(self.config.cross_reduction, cctx, tuple((p.numel, p.spec) for p in pieces),
                   cross.size)
         gctx = self._ctx(views, local, 1.0, buffer_id * 3 + 2, timer, step)
+        gctx.placements = placements
         pipeline.run((alg.sra_gather(gctx, b, local.rank) for b in plan.blocks),
                      PIPELINE_DEPTH, timer)
 
