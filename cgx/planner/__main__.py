@@ -6,7 +6,8 @@ time), measures this machine's compressor throughput, assumes the link given (al
 ``--latency-us`` per call, ``--gbit`` per rank, ``--transport-cpu-ns`` of the transport's
 CPU time per byte) and ``--ranks-per-host`` ranks like this process sharing its cores,
 and prints the planner's decision per tensor: the chosen option and the predicted step
-time with each alternative.
+time with each alternative. ``--device-profile h200`` (or a JSON profile) plans as for
+gradients on that GPU: each quantized option also offloaded to the host (``@cpu``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,28 @@ def _factory(spec: str):
     return fn
 
 
+def _device_profile(p, spec, gpu_busy):
+    """The --device-profile (and --gpu-busy) as a DeviceProfile, or None."""
+    if spec is None:
+        if gpu_busy is not None:
+            p.error("--gpu-busy needs --device-profile")
+        return None
+    import json
+
+    from cgx.planner.placement import DeviceProfile
+    try:
+        if spec == "h200":
+            profile = DeviceProfile.h200()
+        else:
+            with open(spec) as f:
+                profile = DeviceProfile.from_dict(json.load(f))
+        if gpu_busy is not None:
+            profile = DeviceProfile.from_dict(dict(profile.to_dict(), gpu_busy=gpu_busy))
+    except (OSError, ValueError, TypeError) as exc:
+        p.error(f"--device-profile {spec!r}: {exc}")
+    return profile
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cgx.planner", description=__doc__.split("\n\n")[1])
     p.add_argument("model", help="package.module:factory returning a torch.nn.Module")
@@ -41,6 +64,12 @@ def main(argv=None) -> int:
     p.add_argument("--transport-cpu-ns", type=float, default=0.0,
                    help="the transport's CPU time per byte sent, in ns (Gloo on loopback: "
                         "about 1; cgx.planner.calibration.link_model measures it)")
+    p.add_argument("--device-profile", default=None,
+                   help="plan for gradients on a GPU: 'h200' (docs/results/kernels-h200.md) or a "
+                        "JSON file of DeviceProfile.to_dict(); each quantized option is then "
+                        "also offered offloaded to the host ('sra-4bit@cpu')")
+    p.add_argument("--gpu-busy", type=float, default=None,
+                   help="with --device-profile: fraction of backward the GPU computes (0..1)")
     p.add_argument("--bits", default="4", help="quantization levels offered, e.g. 4 or 4,8")
     p.add_argument("--families", default="exact,fp16,sra,allgather,sfb")
     p.add_argument("--limit", type=int, default=30, help="rows of the table (largest tensors)")
@@ -54,6 +83,8 @@ def main(argv=None) -> int:
         p.error("--world must be >= 1")
     if args.ranks_per_host < 1 or args.transport_cpu_ns < 0:
         p.error("--ranks-per-host must be >= 1 and --transport-cpu-ns >= 0")
+
+    device = _device_profile(p, args.device_profile, args.gpu_busy)
 
     import torch
 
@@ -70,7 +101,8 @@ def main(argv=None) -> int:
     tp = compressor_throughput()
     model_cost = CostModel.uniform(args.world, args.gbit, latency_s=args.latency_us * 1e-6,
                                    cpu_per_byte=args.transport_cpu_ns * 1e-9,
-                                   contention=contention(args.ranks_per_host), **tp)
+                                   contention=contention(args.ranks_per_host), device=device,
+                                   **tp)
     result = plan(tensors, model_cost, backward_s, tail_s=tail_s, bits=bits,
                   families=args.families.split(","))
     print(f"{args.model}: {sum(t.numel for t in tensors):,} parameters in {len(tensors)} tensors; "

@@ -22,6 +22,7 @@ import dataclasses
 import enum
 from typing import Mapping, NamedTuple, Optional
 
+from cgx.planner.placement import DeviceProfile, place
 from cgx.quant.wire import packed_nbytes
 
 
@@ -62,6 +63,9 @@ class CostModel:
             spare for communication; otherwise the ranks per core of compute, and the
             exchange's compression and decompression (measured in this job, so already
             in its seconds) delay the compute one for one.
+        device: for gradients on a GPU, its :class:`~cgx.planner.placement.DeviceProfile`:
+            each quantized option then comes placed on the GPU and offloaded to the host
+            (``"sra-4bit@cpu"``), see :mod:`cgx.planner.placement`; None: no choice.
     """
 
     world: int
@@ -71,10 +75,14 @@ class CostModel:
     cast_bps: float = 4e9
     matmul_flops: float = 2e10
     contention: float = 0.0
+    device: Optional[DeviceProfile] = None
 
     def __post_init__(self):
         if not self.contention >= 0:
             raise ValueError(f"contention must be >= 0, got {self.contention!r}")
+        if self.device is not None and not isinstance(self.device, DeviceProfile):
+            raise TypeError(f"device must be a cgx.planner.placement.DeviceProfile or None, "
+                            f"got {type(self.device).__name__}")
 
     @classmethod
     def uniform(cls, world: int, gbit_per_s: float, latency_s: float = 50e-6,
@@ -89,17 +97,21 @@ class CostModel:
 
     def to_dict(self) -> dict:
         """Plain values (checkpoints): the inverse of :meth:`from_dict`."""
-        return {"world": self.world, "links": {k.value: [ab.alpha, ab.beta, ab.cpu]
-                                               for k, ab in self.links.items()},
-                "compress_bps": self.compress_bps, "decompress_bps": self.decompress_bps,
-                "cast_bps": self.cast_bps, "matmul_flops": self.matmul_flops,
-                "contention": self.contention}
+        d = {"world": self.world, "links": {k.value: [ab.alpha, ab.beta, ab.cpu]
+                                            for k, ab in self.links.items()},
+             "compress_bps": self.compress_bps, "decompress_bps": self.decompress_bps,
+             "cast_bps": self.cast_bps, "matmul_flops": self.matmul_flops,
+             "contention": self.contention}
+        if self.device is not None:
+            d["device"] = self.device.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
         return cls(int(d["world"]), {Collective(k): AlphaBeta(*v) for k, v in d["links"].items()},
                    float(d["compress_bps"]), float(d["decompress_bps"]), float(d["cast_bps"]),
-                   float(d["matmul_flops"]), float(d.get("contention", 0.0)))
+                   float(d["matmul_flops"]), float(d.get("contention", 0.0)),
+                   DeviceProfile.from_dict(d["device"]) if d.get("device") else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +183,8 @@ class OptionMaker:
         self.names = {b: (f"sra-{b}bit", f"allgather-{b}bit") for b in self.bits}
         self.contention = m.contention
         self.cpu = {k: m.contention * ab.cpu for k, ab in m.links.items()}
+        self.device = m.device
+        self.quantized = frozenset(n for pair in self.names.values() for n in pair)
 
     def _option(self, name: str, compress_s: float, wire, decompress_s: float) -> Option:
         """One option: its calls and times from the bytes of each collective (one or two)."""
@@ -230,4 +244,7 @@ class OptionMaker:
                 c = (P - 1) * 4 * rows * (out_f + in_f)
                 out.append(make("sfb", 0.0, ((AG, c),),
                                 rows * P * out_f * in_f / self.m.matmul_flops))
+        if self.device is not None:
+            out = place(out, self.quantized, n, self.compress_bps, self.decompress_bps,
+                        self.contention, self.device)
         return out
