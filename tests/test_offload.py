@@ -54,7 +54,7 @@ def test_cpu_tensors_go_to_the_codec_unchanged():
 def _reduce(rank, world, placed, algorithm, feedback):
     from cgx.collectives import Reducer
     from cgx.comm.torch_dist import TorchTransport
-    device = torch.device("cuda" if placed.startswith("cuda") else "cpu")
+    device = torch.device("cuda", 0) if placed.startswith("cuda") else torch.device("cpu")
     red = Reducer(TorchTransport(device=device), Config(seed=5))
     spec = QuantSpec(4, 512, Rounding.STOCHASTIC)
     xs = [_values(device, torch.float32, n, seed=10 * rank + i)
@@ -117,11 +117,17 @@ def test_offloaded_dequantize_decodes_as_the_kernels(spec, dtype, accumulate):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_offload_waits_for_the_kernels_that_made_its_input():
     spec = QuantSpec(4, 1024, Rounding.NEAREST)
-    a = torch.randn(2048, 2048, device="cuda")
+    a = torch.randn(4096, 4096, device="cuda")
     x = (a @ a).view(-1)  # still running when the offload starts its copy
-    got = offload.quantize(x, spec, write_back=True)
-    y = (a @ a).view(-1)
-    assert torch.equal(got, quantize(y, spec, write_back=True)) and torch.equal(x, y)
+    got = offload.quantize(x, spec)
+    assert torch.equal(got, quantize(x, spec))
+    # and the kernels queued after it see the values it writes back
+    x.add_(1.0)
+    decoded = x.clone()
+    quantize(decoded, spec, write_back=True)  # the kernels' decoded values
+    offload.quantize(x, spec, write_back=True)
+    y = x * 2  # queued right behind the write-back's copy
+    assert torch.equal(y, decoded * 2)
 
 
 @pytest.mark.parametrize("algorithm", [ReductionType.SRA, ReductionType.ALLGATHER])
