@@ -29,19 +29,25 @@ def reshape_own_link(rate: Optional[str]) -> None:
                    check=True, capture_output=True, text=True)
 
 
-def deciding_under_changing_link(steps: int, changes: dict, width: int = 1024, window: int = 3,
-                                 trial_steps: int = 2, recheck_every: int = 5) -> dict[str, Any]:
-    """Train an MLP with ``Compression.auto(objective="time")`` for ``steps`` steps; at each
-    step named in ``changes`` (JSON: string keys) the link is reshaped to its rate (None:
-    unshaped). Returns the rounds of trials and each step's seconds."""
+def deciding_under_changing_link(steps: int, changes: dict, width: int = 1024, depth: int = 1,
+                                 batch: int = 8, window: int = 3,
+                                 trial_steps: int = 2, recheck_every: int = 5,
+                                 drift_tolerance: float = 0.5) -> dict[str, Any]:
+    """Train an MLP (``depth`` hidden layers of ``width``) with
+    ``Compression.auto(objective="time")`` for ``steps`` steps; at each step named in
+    ``changes`` (JSON: string keys) the link is reshaped to its rate (None: unshaped).
+    Returns the rounds of trials, the checks of the kept plans and each step's seconds."""
     import torch
     import cgx.torch as hvd
     hvd.init()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(),
-                                torch.nn.Linear(width, 10))
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
     comp = hvd.Compression.auto(objective="time", window=window, trial_steps=trial_steps,
-                                recheck_every=recheck_every, families=("quantize",))
+                                recheck_every=recheck_every, drift_tolerance=drift_tolerance,
+                                families=("quantize",))
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters(), compression=comp)
     changes = {int(k): v for k, v in changes.items()}
@@ -51,9 +57,11 @@ def deciding_under_changing_link(steps: int, changes: dict, width: int = 1024, w
         if step in changes:
             reshape_own_link(changes[step])
         t0 = time.perf_counter()
-        x, y = torch.randn(32, width, generator=g), torch.randint(0, 10, (32,), generator=g)
+        x = torch.randn(batch, width, generator=g)
+        y = torch.randint(0, 10, (batch,), generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         seconds.append(time.perf_counter() - t0)
-    return {"rounds": opt.exchange_trials(), "seconds": seconds}
+    return {"rounds": opt.exchange_trials(), "checks": opt.exchange_checks(),
+            "seconds": seconds}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 # The settings' names as Compression.auto spells them.
-_ARG = {"steps": "trial_steps", "settle_steps": "trial_settle_steps"}
+_ARG = {"steps": "trial_steps", "settle_steps": "trial_settle_steps",
+        "warmup_steps": "trial_warmup_steps"}
 
 
 @dataclasses.dataclass
@@ -17,6 +18,9 @@ class TrialSettings:
     Args:
         steps: measured steps per plan (>= 1).
         settle_steps: steps after a switch that are not measured (>= 0).
+        warmup_steps: steps between a round's setup (the planner's measurements) and the
+            first plan's turn, the plan in use travelling on (>= 0): the setup's
+            transient (allocations, busy threads) stays out of the first plan's times.
         recheck_every: steps between checks of the kept plan (0: never re-tried).
         drift_tolerance: relative change of the kept plan's step that starts a new round.
         tie_tolerance: plans within this fraction of the fastest count as equally fast;
@@ -25,12 +29,14 @@ class TrialSettings:
 
     steps: int = 3
     settle_steps: int = 1
+    warmup_steps: int = 3
     recheck_every: int = 200
     drift_tolerance: float = 0.2
     tie_tolerance: float = 0.02
 
     def __post_init__(self):
-        for name, lo in (("steps", 1), ("settle_steps", 0), ("recheck_every", 0)):
+        for name, lo in (("steps", 1), ("settle_steps", 0), ("warmup_steps", 0),
+                         ("recheck_every", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{_ARG.get(name, name)}={v!r} must be an int >= {lo}")

@@ -56,7 +56,8 @@ class Decider:
                             self.planned.family)
         chosen = select(proposals, self.settings.model_plans, self.trials.predicted)
         self.plans = [p.plan for p in chosen]
-        self.trials.begin(step, [p.record for p in chosen], error_budget(self.adaptive))
+        self.trials.begin(step, [p.record for p in chosen], error_budget(self.adaptive),
+                          link_probe(transport, reps=2))
         _mark(timeline, "trials", {"step": step, "plans": [p.record.label for p in chosen]})
         if verbose and transport.rank == 0:
             print(f"cgx: step {step}: trying {len(chosen)} exchange plans for "
@@ -68,19 +69,17 @@ class Decider:
         """At the first reduction of ``step`` (every rank): time the last step, end a round or
         re-try when due; the plan that travels now (None: no round yet, auto's own)."""
         event = self.trials.tick(step, time.perf_counter(), transport,
-                                 probe=lambda: link_probe(transport))
+                                 probe=lambda: link_probe(transport, reps=2))
         if event is Event.DECIDED:
             self._report(step, transport, verbose, timeline)
         elif event is Event.RETRIAL:
             if verbose and transport.rank == 0:
-                print(f"cgx: step {step}: the kept plan's step moved more than "
-                      f"{100 * self.settings.trials.drift_tolerance:g}% from its trial; "
-                      "measuring the link again", file=sys.stderr, flush=True)
+                print(f"cgx: step {step}: the kept plan's step or the link moved since the "
+                      "trials; measuring the link again", file=sys.stderr, flush=True)
             self.planned.replan(transport, False, step=step, timeline=timeline)
             self.propose(step, transport, verbose, timeline)
         k = self.trials.plan_at(step)
-        if self.trials.phase is Phase.TRIAL and (step - self.trials.start) \
-                % self.settings.trials.turn == 0:
+        if self.trials.phase is Phase.TRIAL and step == self.trials.turn_start:
             _mark(timeline, "trial", {"step": step, "plan": self.trials.records[k].label})
         return None if k is None else self.plans[k]
 

@@ -109,14 +109,16 @@ def propose(adaptive, planned, fewest: Sequence, world: int,
 def select(proposals: Sequence[Proposal], model_plans: int, corrected) -> list[Proposal]:
     """What a round tries: the two baselines (when within the budget) and the
     ``model_plans`` model plans within the budget with the shortest corrected predicted
-    step (``corrected(record)``: the prediction times what earlier rounds measured)."""
+    step (``corrected(record)``: the prediction times what earlier rounds measured), in
+    the order of that prediction: the likely fastest first, so that a plan that cannot win
+    is seen early and its turn cut short (:data:`cgx.deciding.trials.CUT`)."""
     base = [p for p in proposals if p.record.kind != "model" and p.record.eligible]
     model = sorted((p for p in proposals if p.record.kind == "model" and p.record.eligible),
                    key=lambda p: corrected(p.record))
     chosen = base + model[:model_plans]
     for p in chosen:
         p.record.predicted_s = corrected(p.record)
-    return chosen
+    return sorted(chosen, key=lambda p: p.record.predicted_s)
 
 
 def plan_to_lists(plan: Sequence, names: Sequence[str]) -> dict:

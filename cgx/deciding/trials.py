@@ -2,13 +2,17 @@
 
 Timeline (``K`` plans, ``s`` = settle_steps, ``m`` = steps per plan)::
 
-    step t0                 a round starts: plan 0 travels
-    steps [t0 + k(s+m),     plan k travels; its first ``s`` steps are not measured (the
-           t0 + (k+1)(s+m))     switch: residuals handed over, new buffers), the next ``m`` are
-    step t0 + K(s+m)        every rank at its first reduction: the medians are agreed (MAX
-                            over ranks of each rank's median, as the drift check does) and
-                            the fastest plan within the error budget is kept (bytes break
-                            ties); from this step on it travels
+    step t0                 a round starts: the plan in use travels on for ``w`` steps
+                            (warmup_steps), then plan 0
+    plan k's turn           its first ``s`` steps are not measured (the switch: residuals
+                            handed over, new buffers), the next ``m`` are, each step's time
+                            agreed by the ranks (the slowest rank's) as it ends; a turn ends
+                            early when a measured step is over ``1 + CUT`` times the best
+                            plan's median so far (it cannot win; a slow link's exact plan
+                            costs one measured step, not ``m``)
+    after the last turn     every rank at its first reduction: the fastest plan's median
+                            within the error budget is kept (bytes break ties); from this
+                            step on it travels
     every ``recheck_every`` steps after: the kept plan's median since the last check is
                             agreed; off its trial time by more than ``drift_tolerance``,
                             a new round starts (a link made slower or faster, a new phase
@@ -35,8 +39,13 @@ from cgx.compression.trials import TrialSettings
 STATE_FORMAT = 1
 # A link probe this much slower or faster (relative) than at the decision starts a new round:
 # the kept plan's own step may hardly move when the link changes (a compressed plan's step
-# is mostly compute and compression), but which plan is fastest does.
-LINK_CHANGE = 0.5
+# is mostly compute and compression), but which plan is fastest does. Only a change worth
+# LINK_FLOOR of the kept plan's step counts (a fast link's probe is a millisecond or two,
+# and its jitter as large).
+LINK_CHANGE, LINK_FLOOR = 0.5, 0.05
+# A plan whose measured step is this much slower (relative) than the best median so far
+# ends its turn early.
+CUT = 0.5
 
 
 class Phase(enum.Enum):
@@ -96,6 +105,8 @@ class Trials:
         self.phase = Phase.IDLE
         self.records: list[PlanRecord] = []
         self.start: Optional[int] = None  # first step of the current (or last) round
+        self.current = 0  # the record whose turn it is (TRIAL)
+        self.turn_start: Optional[int] = None  # the first step of its turn
         self.chosen: Optional[int] = None  # index into records of the kept plan
         self.decided_at: Optional[int] = None
         self.rounds = 0
@@ -104,32 +115,34 @@ class Trials:
         self.corrections: dict[str, float] = {}
         self.budget = 0.0  # the current round's error budget
         self.link_s: Optional[float] = None  # the link probe at the decision
+        self.round_link: Optional[float] = None  # the link probe as the round started
+        self.checks: list[dict] = []  # every check of a kept plan (step, ratios, retrial)
         self._times: list[list[float]] = []  # this rank's measured steps per record
         self._since_check: list[float] = []  # the kept plan's steps since the last check
         self._last: Optional[tuple[int, float]] = None  # (step, start time) of the latest
 
     # -- which plan travels ----------------------------------------------------------
-    def begin(self, step: int, records: Sequence[PlanRecord], budget: float = 0.0) -> None:
+    def begin(self, step: int, records: Sequence[PlanRecord], budget: float = 0.0,
+              link_s: Optional[float] = None) -> None:
         """Start a round at ``step`` with ``records`` (every rank the same list); ``budget``:
-        the error budget they were checked against (kept in the history)."""
+        the error budget they were checked against (kept in the history); ``link_s``: the
+        link probe now (a round across a link change is run again)."""
+        self.round_link = link_s
         if not records:
             raise ValueError("a round of trials needs at least one plan")
         self.budget = float(budget)
         self.phase, self.start, self.records = Phase.TRIAL, int(step), list(records)
+        self.current, self.turn_start = 0, int(step) + self.settings.warmup_steps
         self.chosen, self.decided_at = None, None
         self._times = [[] for _ in self.records]
         self._since_check = []
-
-    def end_step(self) -> int:
-        return self.start + len(self.records) * self.settings.turn
 
     def plan_at(self, step: int) -> Optional[int]:
         """The record whose plan travels at ``step`` (None before any round)."""
         if self.phase is Phase.DECIDED:
             return self.chosen
         if self.phase is Phase.TRIAL:
-            k = (step - self.start) // self.settings.turn
-            return min(max(k, 0), len(self.records) - 1)
+            return self.current if step >= self.turn_start else None
         return None
 
     def predicted(self, record: PlanRecord) -> float:
@@ -143,35 +156,69 @@ class Trials:
         ``probe``: a function reading the link's speed now (seconds of a fixed collective,
         agreed), taken at each decision and check."""
         prev, self._last = self._last, (step, now)
-        if prev is not None and prev[0] == step - 1:
-            self._record(prev[0], now - prev[1])
-        if self.phase is Phase.TRIAL and step >= self.end_step():
-            self._decide(step, transport)
-            self.link_s = probe() if probe is not None else None
-            return Event.DECIDED
+        if self.phase is Phase.TRIAL:
+            if prev is not None and prev[0] == step - 1 and prev[0] >= self.turn_start:
+                self._measure(prev[0], now - prev[1], transport)
+            if step > self.turn_start and self._turn_over():
+                self.current, self.turn_start = self.current + 1, int(step)
+            if self.current == len(self.records):
+                self._decide(step)
+                link, start = (probe() if probe is not None else None), self.round_link
+                self.link_s = link
+                # the link changed while the plans took turns: their times do not compare
+                moved = self._link_moved(link, start)
+                return Event.RETRIAL if moved else Event.DECIDED
+            return Event.NONE
+        if prev is not None and prev[0] == step - 1 and self.phase is Phase.DECIDED \
+                and prev[0] >= self.decided_at:
+            self._since_check.append(now - prev[1])
         every = self.settings.recheck_every
         if self.phase is Phase.DECIDED and every and step > self.decided_at \
                 and (step - self.decided_at) % every == 0:
-            drifted = self._drifted(transport)
-            link = probe() if probe is not None else None
-            if link and self.link_s and abs(link / self.link_s - 1.0) > LINK_CHANGE:
-                drifted = True
-            return Event.RETRIAL if drifted else Event.NONE
+            return Event.RETRIAL if self._check(step, transport, probe) else Event.NONE
         return Event.NONE
 
-    def _record(self, step: int, seconds: float) -> None:
-        """The time of ``step`` (just ended), under the plan that travelled then."""
-        if self.phase is Phase.TRIAL and step >= self.start:
-            k, offset = divmod(step - self.start, self.settings.turn)
-            if k < len(self.records) and offset >= self.settings.settle_steps:
-                self._times[k].append(seconds)
-        elif self.phase is Phase.DECIDED and step >= self.decided_at:
-            self._since_check.append(seconds)
+    def _check(self, step: int, transport, probe) -> bool:
+        """The kept plan's check: its step (agreed median since the last check) against its
+        trial, and the link against the decision's probe. True: start a new round."""
+        local = statistics.median(self._since_check) if self._since_check else 0.0
+        self._since_check = []
+        measured = agree_max([local], transport)[0]
+        base = self.records[self.chosen].measured_s
+        step_ratio = measured / base if measured and base else 1.0
+        link = probe() if probe is not None else None
+        link_ratio = link / self.link_s if link and self.link_s else 1.0
+        retrial = abs(step_ratio - 1.0) > self.settings.drift_tolerance or \
+            self._link_moved(link, self.link_s)
+        self.checks.append({"step": int(step), "step_ratio": step_ratio,
+                            "link_ratio": link_ratio, "retrial": retrial})
+        return retrial
 
-    def _decide(self, step: int, transport) -> None:
-        medians = [statistics.median(t) if t else 0.0 for t in self._times]
-        for r, m in zip(self.records, agree_max(medians, transport)):
-            r.measured_s = m if m > 0 else None
+    def _link_moved(self, now: Optional[float], then: Optional[float]) -> bool:
+        """The link probe moved by more than LINK_CHANGE, and by LINK_FLOOR of the kept step."""
+        if not now or not then:
+            return False
+        step = self.records[self.chosen].measured_s or 0.0
+        return abs(now - then) > max(LINK_CHANGE * then, LINK_FLOOR * step)
+
+    def _measure(self, step: int, seconds: float, transport) -> None:
+        """Step ``step`` of the current turn took ``seconds`` here: past the settling steps,
+        its time agreed by the ranks (a collective every rank makes at the same step)."""
+        if step - self.turn_start >= self.settings.settle_steps:
+            self._times[self.current].append(agree_max([seconds], transport)[0])
+
+    def _turn_over(self) -> bool:
+        """The current plan has its measured steps, or one step shows it cannot win."""
+        times = self._times[self.current]
+        if len(times) >= self.settings.steps:
+            return True
+        done = [statistics.median(t) for k, t in enumerate(self._times)
+                if k < self.current and t and self.records[k].eligible]
+        return bool(times and done and times[-1] > (1 + CUT) * min(done))
+
+    def _decide(self, step: int) -> None:
+        for r, t in zip(self.records, self._times):
+            r.measured_s = statistics.median(t) if t else None
         self.chosen = choose(self.records, self.settings.tie_tolerance)
         self.phase, self.decided_at = Phase.DECIDED, int(step)
         self.rounds += 1
@@ -190,23 +237,16 @@ class Trials:
         for kind, ratios in by_kind.items():
             self.corrections[kind] = statistics.median(ratios)
 
-    def _drifted(self, transport) -> bool:
-        local = statistics.median(self._since_check) if self._since_check else 0.0
-        self._since_check = []
-        measured = agree_max([local], transport)[0]
-        base = self.records[self.chosen].measured_s
-        if not measured or not base:
-            return False
-        return abs(measured / base - 1.0) > self.settings.drift_tolerance
-
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "phase": self.phase.value,
                 "records": [dataclasses.asdict(r) for r in self.records],
-                "start": self.start, "chosen": self.chosen, "decided_at": self.decided_at,
+                "start": self.start, "current": self.current, "turn_start": self.turn_start,
+                "chosen": self.chosen, "decided_at": self.decided_at,
                 "rounds": self.rounds, "history": list(self.history),
                 "corrections": dict(self.corrections), "budget": self.budget,
-                "link_s": self.link_s, "times": [list(t) for t in self._times],
+                "link_s": self.link_s, "round_link": self.round_link,
+                "checks": list(self.checks), "times": [list(t) for t in self._times],
                 "since_check": list(self._since_check)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -216,11 +256,13 @@ class Trials:
         self.phase = Phase(state["phase"])
         self.records = [PlanRecord(**r) for r in state["records"]]
         self.start, self.chosen = state["start"], state["chosen"]
+        self.current, self.turn_start = int(state["current"]), state["turn_start"]
         self.decided_at, self.rounds = state["decided_at"], int(state["rounds"])
         self.history = list(state["history"])
         self.corrections = {k: float(v) for k, v in state["corrections"].items()}
         self.budget = float(state["budget"])
-        self.link_s = state["link_s"]
+        self.link_s, self.round_link = state["link_s"], state["round_link"]
+        self.checks = list(state["checks"])
         self._times = [[float(x) for x in t] for t in state["times"]]
         self._since_check = [float(x) for x in state["since_check"]]
         self._last = None  # a resumed run's first step is not timed against the old run's

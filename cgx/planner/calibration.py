@@ -76,17 +76,20 @@ def large_probe_bytes(transport, target_s: float = 0.05, lo: int = 1 << 16,
     return int(min(max(1 << max(int(want).bit_length() - 1, 0), lo), hi))
 
 
-def link_probe(transport, numel: int = 1 << 18, warm: bool = False) -> float:
-    """Seconds of one float32 allreduce of ``numel`` values after a barrier, the slowest
-    rank's (a collective): a cheap reading of the link's speed now."""
+def link_probe(transport, numel: int = 1 << 18, warm: bool = False, reps: int = 1) -> float:
+    """Seconds of a float32 allreduce of ``numel`` values after a barrier (the fastest of
+    ``reps``), the slowest rank's (a collective): a cheap reading of the link's speed now."""
     from cgx.comm.base import ReduceOp
     ar = torch.zeros(numel, dtype=torch.float32, device=transport.device)
     if warm:
         transport.allreduce(ar)
-    transport.barrier()
-    t0 = time.perf_counter()
-    transport.allreduce(ar)
-    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=transport.device)
+    best = float("inf")
+    for _ in range(reps):
+        transport.barrier()
+        t0 = time.perf_counter()
+        transport.allreduce(ar)
+        best = min(best, time.perf_counter() - t0)
+    took = torch.tensor([best], dtype=torch.float64, device=transport.device)
     transport.allreduce(took, ReduceOp.MAX)
     return float(took.item())
 

@@ -31,9 +31,13 @@ class PlanViews:
     def exchange_checks(self) -> list:
         """With ``Compression.planned(...)``: every drift check so far, as
         :class:`cgx.planner.schedule.DriftCheck` (step, predicted and measured step time,
-        whether it re-planned); empty in other modes."""
-        planned = self.gradient_plan().planned
-        return list(planned.checks) if planned is not None else []
+        whether it re-planned). With ``Compression.auto(objective="time")``: every check of
+        a kept plan (step, its step and the link against the decision's, whether a new
+        round started). Empty in other modes."""
+        plan = self.gradient_plan()
+        if plan.decider is not None:
+            return [dict(c) for c in plan.decider.trials.checks]
+        return list(plan.planned.checks) if plan.planned is not None else []
 
     def exchange_trials(self) -> list[dict]:
         """With ``Compression.auto(objective="time")``: every round of trials so far (see

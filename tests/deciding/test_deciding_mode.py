@@ -54,7 +54,9 @@ def test_every_rank_agrees_on_the_trials_and_keeps_the_same_plan(world):
     r = first["rounds"][0]
     assert r["start"] == WINDOW
     labels = [p["label"] for p in r["plans"]]
-    assert labels[:2] == ["exact (fused)", "uniform 4-bit/1024"]  # the baselines, always
+    assert {"exact (fused)", "uniform 4-bit/1024"} <= set(labels)  # the baselines, always
+    predicted = [p["predicted_s"] for p in r["plans"]]
+    assert predicted == sorted(predicted)  # the likely fastest first
     assert all(p["measured_s"] > 0 for p in r["plans"])
     for other in ranks[1:]:  # the same agreed measurements, the same choice, the same plan
         assert other["rounds"] == first["rounds"]

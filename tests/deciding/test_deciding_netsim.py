@@ -15,7 +15,7 @@ if str(REPO_ROOT) not in sys.path:  # `benchmarks` is not installed; import it f
 
 from benchmarks.netsim import NetnsUnavailable, SlowNetwork, list_namespaces  # noqa: E402
 
-SLOW_AT, FAST_AT, EVERY = 16, 34, 5
+SLOW_AT, FAST_AT, EVERY, STEPS = 26, 52, 5, 80
 
 
 @pytest.mark.netns
@@ -29,22 +29,29 @@ def test_a_slower_then_faster_link_moves_the_plan_to_compressed_then_back_to_exa
     with net:
         ranks = net.run_function(
             "benchmarks.netsim.changing_link:deciding_under_changing_link",
-            {"steps": 54, "changes": {str(SLOW_AT): "100mbit", str(FAST_AT): None},
-             "trial_steps": 3, "recheck_every": EVERY}, timeout=300)
+            {"steps": STEPS, "changes": {str(SLOW_AT): "100mbit", str(FAST_AT): None},
+             "trial_steps": 5, "recheck_every": EVERY, "width": 192, "depth": 32}, timeout=300)
     assert list_namespaces(net.prefix) == []
     a, b = ranks
     assert a["rounds"] == b["rounds"]  # agreed measurements, the same plans kept
     rounds = a["rounds"]
-    starts = [r["start"] for r in rounds]
-    slow = next(r for r in rounds if r["start"] > SLOW_AT)
-    fast = next(r for r in rounds if r["start"] > FAST_AT)
-    # a new round at the first check after each change (checks every EVERY steps after a
-    # decision): never later than one check period plus the round in progress
-    assert slow["start"] <= SLOW_AT + EVERY, starts
-    assert fast["start"] <= FAST_AT + EVERY, starts
-    by = {r["start"]: {p["label"]: p for p in r["plans"]} for r in rounds}
-    exact_slow = by[slow["start"]]["exact (fused)"]["measured_s"]
-    exact_fast = by[fast["start"]]["exact (fused)"]["measured_s"]
-    assert exact_slow > 3 * exact_fast  # 4 MB of float32 per step at 100 Mbit/s
-    assert slow["chosen"] != "exact (fused)"
-    assert fast["chosen"] == "exact (fused)", fast
+    checks = [(c["step"], round(c["step_ratio"], 2), round(c["link_ratio"], 2), c["retrial"])
+              for c in a["checks"]]
+    seen = [(r["start"], r["step"], r["chosen"],
+             {p["label"]: round(1e3 * p["measured_s"], 1) for p in r["plans"]}) for r in rounds] + checks
+    for change in (SLOW_AT, FAST_AT):
+        # the change is seen within one check period: a round starts at the first check
+        # after it (or one in progress measures the new link)
+        assert any(r["start"] <= change < r["step"] or 0 <= r["start"] - change <= EVERY
+                   for r in rounds), (change, seen)
+
+    def kept_before(step):  # the plan the last round decided before ``step`` kept
+        return [r for r in rounds if r["step"] < step][-1]
+
+    slow, fast = kept_before(FAST_AT), kept_before(STEPS)
+    assert slow["step"] > SLOW_AT and fast["step"] > FAST_AT, seen
+    assert slow["chosen"] != "exact (fused)", seen
+    assert fast["chosen"] == "exact (fused)", seen
+    exact = [{p["label"]: p for p in r["plans"]}["exact (fused)"]["measured_s"]
+             for r in (slow, fast)]
+    assert exact[0] > 3 * exact[1], exact  # 4.8 MB of float32 per step at 100 Mbit/s

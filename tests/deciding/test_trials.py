@@ -53,7 +53,7 @@ def test_choose_takes_the_fastest_within_the_budget_and_breaks_ties_by_bytes():
 
 
 def test_a_round_runs_each_plan_in_turn_measures_after_settling_and_keeps_the_fastest():
-    s = TrialSettings(steps=2, settle_steps=1, recheck_every=0)
+    s = TrialSettings(steps=2, settle_steps=1, warmup_steps=0, recheck_every=0)
     t = Trials(s)
     t.begin(10, _records())
     durations = {0: 0.030, 1: 0.020, 2: 0.025}
@@ -72,8 +72,21 @@ def test_a_round_runs_each_plan_in_turn_measures_after_settling_and_keeps_the_fa
     assert "uniform (kept) | 20.0 ms | 8.0 ms | 150" in table
 
 
+def test_a_plan_that_cannot_win_ends_its_turn_after_one_measured_step():
+    t = Trials(TrialSettings(steps=3, settle_steps=1, warmup_steps=2, recheck_every=0))
+    t.begin(0, _records())
+    durations = {None: 5.0, 0: 0.010, 1: 0.050, 2: 0.012}
+    events, plans = _run(t, [lambda k: durations[k]] * 13, first=0)
+    # two warm-up steps (the plan in use: None), then plan 0; plan 1: a settling step, then
+    # one measured step 5x the best: cut
+    assert plans == [None, None, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 0]
+    assert events[12] is Event.DECIDED and t.chosen == 0
+    assert [r.measured_s for r in t.records] == pytest.approx([0.010, 0.050, 0.012])
+
+
 def test_the_kept_plan_is_checked_and_a_drift_either_way_starts_again():
-    s = TrialSettings(steps=1, settle_steps=0, recheck_every=4, drift_tolerance=0.2)
+    s = TrialSettings(steps=1, settle_steps=0, warmup_steps=0, recheck_every=4,
+                      drift_tolerance=0.2)
     t = Trials(s)
     t.begin(0, _records()[:2])
     base = {0: 0.010, 1: 0.020}
@@ -91,7 +104,7 @@ def test_the_kept_plan_is_checked_and_a_drift_either_way_starts_again():
 
 
 def test_a_checkpoint_taken_mid_round_continues_the_round():
-    s = TrialSettings(steps=2, settle_steps=1, recheck_every=0)
+    s = TrialSettings(steps=2, settle_steps=1, warmup_steps=0, recheck_every=0)
     a, b = Trials(s), Trials(s)
     a.begin(0, _records())
     times = [lambda k: (0.03, 0.02, 0.01)[k]] * 5
