@@ -168,6 +168,13 @@ class GradientExchange:
         with self._lock:
             return [row for plan in self._plans.values() for row in plan.compression_plan()]
 
+    def exchange_trials(self) -> list[dict]:
+        """``Compression.auto(objective="time")``: the rounds of trials of every plan (see
+        :meth:`cgx.deciding.Decider.rounds`)."""
+        with self._lock:
+            return [r for plan in self._plans.values() if plan.decider is not None
+                    for r in plan.decider.rounds()]
+
     @tf.autograph.experimental.do_not_convert
     def __call__(self, grads: Sequence, variables: Sequence, names: Optional[Sequence] = None,
                  step=None, local=frozenset(), scale_local: bool = True,

@@ -242,6 +242,11 @@ class DistributedOptimizer(DelegatesToInner, keras.optimizers.Optimizer):
         budget of the current plan (``compression="auto"``; see ``cgx.adaptive.format_levels``)."""
         return self._exchange.compression_plan()
 
+    def exchange_trials(self) -> list[dict]:
+        """``Compression.auto(objective="time")``: every round of trials so far (the plans
+        tried, their measured and predicted step, bytes and error, the plan kept)."""
+        return self._exchange.exchange_trials()
+
     def replan(self) -> None:
         """``compression="auto"``: make a new plan from the next ``window`` steps (call it on
         every rank at the same step, e.g. from ``callbacks.AdaptivePlanCallback``)."""
