@@ -12,12 +12,17 @@ PyTorch's ``fp16_compress_hook``, ``bf16_compress_hook`` (its body: torch's refu
 and ``powerSGD_hook`` (rank 1,
 error feedback, warm start; run with a single DDP bucket, the only way it does not crash on
 Gloo here), cgx's DDP hook and cgx's ``DistributedOptimizer`` (both 4-bit, the
-defaults), and ``cgx-planned`` (``Compression.planned()``: each tensor exact or
-4-bit, as ``cgx.planner`` predicts is fastest on the measured link). The Keras path:
+defaults; ``cgx-optimizer-8bit``: 8 bits), ``cgx-planned`` (``Compression.planned()``: each
+tensor exact or 4-bit, as ``cgx.planner`` predicts is fastest on the measured link) and
+``cgx-decide`` (``Compression.auto(objective="time")``: the model proposes whole plans,
+trials measure them, the fastest within the error budget is kept; its steps run until the
+decision, then ``--warmup`` and the timed steps follow; what deciding cost, every step
+before the decision beyond the kept plan's step, is reported apart). The Keras path:
 ``keras-compute`` (no communication), ``keras-cgx`` (cgx's Keras
 ``DistributedOptimizer``, 4-bit, in ``train_on_batch``: each bucket starts as its
 gradients exist) and ``keras-cgx-one-call`` (the same, all gradients in one exchange
-after backward) and ``keras-cgx-sfb`` (4-bit, the Dense layers' gradients as sufficient
+after backward), ``keras-cgx-decide`` (the deciding exchange, as ``cgx-decide``) and
+``keras-cgx-sfb`` (4-bit, the Dense layers' gradients as sufficient
 factors, exchanged from their custom gradients during backward). Reports
 seconds per step (mean over the timed steps, slowest rank; with ``--rounds N`` every
 method runs N times in turn and the median of the N means is reported) and the bytes
@@ -43,8 +48,9 @@ from typing import Any
 from cgx.console import progress
 
 METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "cgx-ddp-hook", "cgx-optimizer",
-           "cgx-optimizer-sfb", "cgx-planned", "cgx-planned-sfb", "keras-compute", "keras-cgx",
-           "keras-cgx-one-call", "keras-cgx-sfb"]
+           "cgx-optimizer-8bit", "cgx-optimizer-sfb", "cgx-planned", "cgx-planned-sfb",
+           "cgx-decide", "keras-compute", "keras-cgx", "keras-cgx-one-call", "keras-cgx-sfb",
+           "keras-cgx-decide"]
 VGG11 = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
 
 
@@ -89,6 +95,33 @@ def _timed(step, warmup: int, steps: int, counted=None) -> tuple[list[float], An
     return times, wire, link
 
 
+# The deciding exchange in these runs: statistics over 2 steps, then one round of trials
+# (a warm-up step, then each plan: a settling step and 2 measured steps).
+DECIDE = dict(objective="time", window=2, trial_steps=2, trial_warmup_steps=1)
+
+
+def _until_decided(step, decided, cap: int = 80) -> list[float]:
+    """Run steps until ``decided()``; each step's seconds (slowest rank), as ``_timed``."""
+    import torch
+    import torch.distributed as dist
+    times = []
+    while not decided() and len(times) < cap:
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        times.append(dt.item())
+    return times
+
+
+def _deciding(out: dict, opt, deciding: list) -> dict:
+    """The deciding exchange's trials and what deciding cost into ``out``."""
+    out["deciding_s"] = deciding
+    out["trials"] = opt.exchange_trials()
+    return out
+
+
 def keras_vgg11(num_classes: int = 10):
     """VGG-11 in Keras 3 (channels last), the same layers as :func:`vgg11`."""
     import keras
@@ -125,18 +158,24 @@ def keras_rank(method: str, steps: int, warmup: int, batch: int) -> dict[str, An
     opt = keras.optimizers.SGD(0.01, momentum=0.9)
     if method.startswith("keras-cgx"):
         hvd.init()
+        comp = hvd.Compression.auto(**DECIDE) if method == "keras-cgx-decide" else None
         opt = hvd.DistributedOptimizer(
-            opt, sufficient_factors=model if method == "keras-cgx-sfb" else None)
+            opt, sufficient_factors=model if method == "keras-cgx-sfb" else None,
+            **({"compression": comp} if comp is not None else {}))
         if method == "keras-cgx-one-call":  # every gradient in one exchange after backward
             import cgx.tensorflow.gradients as grads
             grads.ready_order_buckets = lambda nbytes, cap: [list(range(len(nbytes)))]
     model.compile(optimizer=opt, jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     counted = hvd if method.startswith("keras-cgx") else None
+    deciding = _until_decided(lambda: model.train_on_batch(x, y),
+                              lambda: bool(opt.exchange_trials())) \
+        if method == "keras-cgx-decide" else None
     times, wire, link = _timed(lambda: model.train_on_batch(x, y), warmup, steps, counted)
     wire = wire if wire is not None else 0.0
-    return {"method": method, "times_s": times, "params": int(model.count_params()),
-            "wire_bytes": wire, "link_bytes": link}
+    out = {"method": method, "times_s": times, "params": int(model.count_params()),
+           "wire_bytes": wire, "link_bytes": link}
+    return _deciding(out, opt, deciding) if deciding is not None else out
 
 
 def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any]:
@@ -177,13 +216,15 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
             opt_model.register_comm_hook(state, cgx.torch.cgx_hook)
     opt = torch.optim.SGD(opt_model.parameters(), lr=0.01, momentum=0.9)
     hvd = None
-    if method.startswith(("cgx-optimizer", "cgx-planned")):
+    if method.startswith(("cgx-optimizer", "cgx-planned", "cgx-decide")):
         import cgx.torch as hvd
         hvd.init()
         # -sfb: the fully connected layers' weight gradients travel as sufficient factors;
         # planned: each tensor exact or 4-bit as cgx.planner predicts is fastest (it traces
         # the first 5 steps: use --warmup >= 6 to time the planned exchange only)
         extra = {"compression": hvd.Compression.planned()} if method.startswith("cgx-planned") \
+            else {"compression": hvd.Compression.auto(**DECIDE)} if method == "cgx-decide" \
+            else {"compression": hvd.Compression.quantize(bits=8)} if method.endswith("-8bit") \
             else {}
         opt = hvd.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(),
@@ -195,6 +236,8 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
 
     if method == "cgx-ddp-hook":  # the hook's own reducer (and transport) counts
         hvd = types.SimpleNamespace(stats=lambda: state.reducer().snapshot())
+    deciding = _until_decided(step, lambda: bool(opt.exchange_trials())) \
+        if method == "cgx-decide" else None
     times, wire, link = _timed(step, warmup, steps, hvd)
     params = sum(p.numel() for p in model.parameters())
     if wire is None:  # ring allreduce of the gradients (DDP) or of their compressed form
@@ -210,7 +253,7 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
         out["plan"] = {"predicted_s": plan.step_s, "backward_s": plan.backward_s,
                        "cpu_s": plan.timeline.cpu_s, "cost": plan.model.to_dict(),
                        "choices": dict(collections.Counter(o.name for o in plan.chosen))}
-    return out
+    return _deciding(out, opt, deciding) if deciding is not None else out
 
 
 def main(argv=None) -> int:
@@ -279,6 +322,7 @@ def main(argv=None) -> int:
         spread = (f" {min(r['round_means']):.3f}-{max(r['round_means']):.3f} |" if many else "")
         lines.append(f"| {r['method']} | {t:.3f} | {speed} | {vs_floor} | {wire} | {link} |"
                      f"{spread}")
+    lines += _decide_lines(results, args.warmup)
     md = "\n".join(lines)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
@@ -289,6 +333,39 @@ def main(argv=None) -> int:
     _plot(results, args.out + ".png", args.rate)
     print(md)
     return 0
+
+
+def _decide_lines(results: list, warmup: int) -> list[str]:
+    """For each deciding method: its step against the fastest other method of its adapter in
+    the run, the plan it kept, what deciding cost, and its last round of trials."""
+    from cgx.deciding import PlanRecord, format_trials
+    ok = {r["method"]: r for r in results if "times_s" in r}
+    out = []
+    for name, r in ok.items():
+        if not r.get("trials"):
+            continue
+        keras = name.startswith("keras")
+        others = {m: _step(o) for m, o in ok.items() if m != name and not m.endswith("compute")
+                  and m.startswith("keras") == keras}
+        t = _step(r)
+        rnd = r["trials"][-1]
+        records = [PlanRecord(**p) for p in rnd["plans"]]
+        kept = next(k for k, p in enumerate(records) if p.label == rnd["chosen"])
+        # every step before the decision beyond the kept plan's step (the statistics
+        # window, the setup, the trials), the first --warmup steps left out as from every
+        # method's timing: over a 1000-step run
+        before = r["deciding_s"][warmup:]
+        cost = sum(before) - len(before) * t
+        out += ["", f"**{name}**: {t:.3f} s/step, kept '{rnd['chosen']}'"]
+        if others:
+            best = min(others, key=others.get)
+            out[-1] += f"; {t / others[best]:.3f}x the fastest other method ({best})"
+        out += [f"Deciding took {len(r['deciding_s'])} steps ({rnd.get('setup_s', 0.0):.2f} s "
+                f"of setup: the planner's measurements, the proposals); after the first "
+                f"{warmup}, {cost:.1f} s beyond the kept plan's step: "
+                f"{100 * cost / (1000 * t):.2f}% of a 1000-step run.", "",
+                format_trials(records, kept)]
+    return out
 
 
 def _step(r: dict) -> float:

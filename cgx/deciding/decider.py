@@ -19,7 +19,7 @@ from cgx.compression.auto import AutoCompression
 from cgx.planner.calibration import link_probe
 from cgx.deciding.proposals import (error_budget, plan_from_lists, plan_to_lists, propose,
                                     select)
-from cgx.deciding.trials import Event, Phase, Trials, format_trials
+from cgx.deciding.trials import Event, Phase, Trials, agree_max, format_trials
 
 STATE_FORMAT = 1
 
@@ -44,20 +44,25 @@ class Decider:
         self.plans: list[list] = []  # per record of the round, its plan
         self.fewest: list = list(adaptive.plan)  # auto's fewest-bytes plan of its last errors
 
-    def replanned(self, step: int, transport, verbose: bool = False, timeline=None) -> None:
-        """Auto and the planner just re-planned (every rank, same step): auto's plan is the
-        fewest-bytes one of the new errors; a new round."""
+    def replanned(self, step: int, transport, verbose: bool = False, timeline=None,
+                  since: Optional[float] = None) -> None:
+        """Auto and the planner just re-planned (every rank, same step; ``since``: when they
+        started): auto's plan is the fewest-bytes one of the new errors; a new round."""
         self.fewest = list(self.adaptive.plan)
-        self.propose(step, transport, verbose, timeline)
+        self.propose(step, transport, verbose, timeline, since)
 
-    def propose(self, step: int, transport, verbose: bool = False, timeline=None) -> None:
-        """A new round from the latest errors and the planner's latest plan."""
+    def propose(self, step: int, transport, verbose: bool = False, timeline=None,
+                since: Optional[float] = None) -> None:
+        """A new round from the latest errors and the planner's latest plan (``since``: when
+        the planner started, for the round's setup time)."""
+        since = time.perf_counter() if since is None else since
         proposals = propose(self.adaptive, self.planned, self.fewest, transport.size,
                             self.planned.family)
         chosen = select(proposals, self.settings.model_plans, self.trials.predicted)
         self.plans = [p.plan for p in chosen]
         self.trials.begin(step, [p.record for p in chosen], error_budget(self.adaptive),
-                          link_probe(transport, reps=2))
+                          link_probe(transport, reps=2),
+                          agree_max([time.perf_counter() - since], transport)[0])
         _mark(timeline, "trials", {"step": step, "plans": [p.record.label for p in chosen]})
         if verbose and transport.rank == 0:
             print(f"cgx: step {step}: trying {len(chosen)} exchange plans for "
@@ -76,8 +81,9 @@ class Decider:
             if verbose and transport.rank == 0:
                 print(f"cgx: step {step}: the kept plan's step or the link moved since the "
                       "trials; measuring the link again", file=sys.stderr, flush=True)
+            since = time.perf_counter()
             self.planned.replan(transport, False, step=step, timeline=timeline)
-            self.propose(step, transport, verbose, timeline)
+            self.propose(step, transport, verbose, timeline, since)
         k = self.trials.plan_at(step)
         if self.trials.phase is Phase.TRIAL and step == self.trials.turn_start:
             _mark(timeline, "trial", {"step": step, "plan": self.trials.records[k].label})

@@ -116,6 +116,7 @@ class Trials:
         self.budget = 0.0  # the current round's error budget
         self.link_s: Optional[float] = None  # the link probe at the decision
         self.round_link: Optional[float] = None  # the link probe as the round started
+        self.setup_s = 0.0  # seconds the round's proposals took (planner, errors, solver)
         self.checks: list[dict] = []  # every check of a kept plan (step, ratios, retrial)
         self._times: list[list[float]] = []  # this rank's measured steps per record
         self._since_check: list[float] = []  # the kept plan's steps since the last check
@@ -123,11 +124,12 @@ class Trials:
 
     # -- which plan travels ----------------------------------------------------------
     def begin(self, step: int, records: Sequence[PlanRecord], budget: float = 0.0,
-              link_s: Optional[float] = None) -> None:
+              link_s: Optional[float] = None, setup_s: float = 0.0) -> None:
         """Start a round at ``step`` with ``records`` (every rank the same list); ``budget``:
         the error budget they were checked against (kept in the history); ``link_s``: the
-        link probe now (a round across a link change is run again)."""
-        self.round_link = link_s
+        link probe now (a round across a link change is run again); ``setup_s``: what making
+        the proposals took (kept in the history)."""
+        self.round_link, self.setup_s = link_s, float(setup_s)
         if not records:
             raise ValueError("a round of trials needs at least one plan")
         self.budget = float(budget)
@@ -224,6 +226,7 @@ class Trials:
         self.rounds += 1
         self._learn()
         self.history.append({"start": self.start, "step": int(step), "budget": self.budget,
+                             "setup_s": self.setup_s,
                              "chosen": self.records[self.chosen].label,
                              "plans": [dataclasses.asdict(r) for r in self.records]})
 
@@ -246,7 +249,7 @@ class Trials:
                 "rounds": self.rounds, "history": list(self.history),
                 "corrections": dict(self.corrections), "budget": self.budget,
                 "link_s": self.link_s, "round_link": self.round_link,
-                "checks": list(self.checks), "times": [list(t) for t in self._times],
+                "setup_s": self.setup_s, "checks": list(self.checks), "times": [list(t) for t in self._times],
                 "since_check": list(self._since_check)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -262,6 +265,7 @@ class Trials:
         self.corrections = {k: float(v) for k, v in state["corrections"].items()}
         self.budget = float(state["budget"])
         self.link_s, self.round_link = state["link_s"], state["round_link"]
+        self.setup_s = float(state["setup_s"])
         self.checks = list(state["checks"])
         self._times = [[float(x) for x in t] for t in state["times"]]
         self._since_check = [float(x) for x in state["since_check"]]

@@ -14,6 +14,7 @@ values fell in.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from cgx.adaptive import AdaptiveSchedule
@@ -85,7 +86,7 @@ class Auto(Mode):
         if self.decider is not None:
             trial_plan = self.decider.on_step(step, red.transport, verbose, red.timeline)
         if sched.due(step):
-            old = list(sched.plan)
+            old, since = list(sched.plan), time.perf_counter()
             hidden = ()
             if self.planned is not None:  # the planner first: exact where that is as fast
                 self.planned.replan(red.transport, False, step=step, timeline=red.timeline)
@@ -93,7 +94,7 @@ class Auto(Mode):
                           if not c and sched.candidates[i] is not None]
             if self.decider is not None:  # the fewest bytes alone; the decider combines
                 sched.replan(step, red.transport, red.config.cpu_threads, verbose)
-                self.decider.replanned(step, red.transport, verbose, red.timeline)
+                self.decider.replanned(step, red.transport, verbose, red.timeline, since)
                 trial_plan = self.decider.on_step(step, red.transport, verbose, red.timeline)
             else:
                 sched.replan(step, red.transport, red.config.cpu_threads, verbose,
