@@ -10,6 +10,8 @@ Names:
     cgx-auto                                               compression="auto" (per-layer levels)
     cgx-planned[-sfb]                                      Compression.planned(): exact or 4-bit
         per tensor, as cgx.planner predicts is fastest on the measured link
+    cgx-decide[-flat]                                      Compression.auto(objective="time"):
+        the model proposes whole plans, trials keep the fastest within the error budget
     cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming, torch-postlocal-sgd[-h<N>]
         local steps with periodic outer updates (benchmarks/timetoacc/methods_diloco.py)
     fsdp-fp32, fsdp-bf16, cgx-fsdp-8bit, cgx-fsdp-4bit, cgx-fsdp-hier
@@ -34,7 +36,7 @@ DEFAULT_METHODS = ("ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-p
                    "cgx-4bit-sfb", "cgx-planned", "cgx-planned-sfb")
 POWERSGD_START = 10  # exact allreduce for the first steps (PyTorch's start_powerSGD_iter)
 _CGX = re.compile(r"^cgx-(?:(?P<bits>[1-8])bit(?P<flags>(?:-ef|-sfb|-flat)*)"
-                  r"|(?P<mode>auto|planned)(?P<aflags>(?:-sfb|-flat)*))$")
+                  r"|(?P<mode>auto|planned|decide)(?P<aflags>(?:-sfb|-flat)*))$")
 _FIXED = {"ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
           "horovod-fp32", "horovod-fp16"}
 
@@ -48,6 +50,7 @@ def check(name: str) -> str:
         return name
     raise ValueError(f"unknown method {name!r}; choose from {sorted(_FIXED)}, "
                      "cgx-<1..8>bit[-ef][-sfb][-flat], cgx-auto[-flat], cgx-planned[-sfb][-flat], "
+                     "cgx-decide[-flat], "
                      "cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming or "
                      "torch-postlocal-sgd[-h<N>], or one of "
                      f"{', '.join(methods_fsdp.FSDP_METHODS)}")
@@ -212,6 +215,8 @@ def _cgx(name, model, make_optimizer) -> Setup:
         comp = hvd.Compression.quantize(bits=int(m.group("bits")), error_feedback="ef" in flags)
     elif m.group("mode") == "planned":
         comp = hvd.Compression.planned()
+    elif m.group("mode") == "decide":
+        comp = hvd.Compression.auto(objective="time", window=10)
     else:
         comp = hvd.Compression.auto(alpha=1.0, window=10, adjust_every=50)
     opt = hvd.DistributedOptimizer(make_optimizer(model.parameters()),
@@ -226,6 +231,12 @@ def _cgx(name, model, make_optimizer) -> Setup:
             from cgx.planner import format_exchange as planned_table
             return planned_table(opt.exchange_plan(), limit=12)
         from cgx.adaptive import format_levels
+        if m.group("mode") == "decide" and opt.exchange_trials():
+            from cgx.deciding import PlanRecord, format_trials
+            last = opt.exchange_trials()[-1]
+            records = [PlanRecord(**p) for p in last["plans"]]
+            kept = [r.label for r in records].index(last["chosen"])
+            return format_trials(records, kept) + "\n\n" + format_levels(opt.compression_plan())
         return format_levels(opt.compression_plan())
 
     return Setup(model, opt, accounted, compression_seconds, plan=plan)

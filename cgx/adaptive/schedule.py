@@ -227,7 +227,7 @@ class AdaptiveSchedule:
         exact (the budget unchanged), without adopting it: a proposal to try. Layers not
         measured keep their entry of ``base`` (default: the current plan)."""
         plan = list(self.plan if base is None else base)
-        if not self._errors:
+        if not self._errors or not hidden:
             return plan
         layers = sorted(self._errors)
         names = {self.names[i] for i in hidden}
