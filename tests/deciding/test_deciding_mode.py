@@ -85,12 +85,20 @@ def test_no_plan_tried_or_kept_exceeds_the_error_budget(alpha):
     assert ("uniform 4-bit/1024" in labels) == (alpha >= 1.0)
 
 
-def _resume(rank, world):
+def _resume(rank, world, trace):
+    import contextlib
+    import io
+    import os
     import cgx.torch as hvd
+    os.environ["CGX_VERBOSE"] = "1"
     hvd.init()
+    hvd.start_timeline(trace)
     model = _model()
     opt = _optimizer(hvd, model)
-    _steps(opt, model, rank, 16)
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        _steps(opt, model, rank, 16)
+    hvd.stop_timeline()
     state = {"model": model.state_dict(), "opt": opt.state_dict()}
     levels = [r["level"] for r in opt.compression_plan()]
     fresh = _model()
@@ -101,14 +109,26 @@ def _resume(rank, world):
     decider = state["opt"]["cgx"]["plan"]["decider"]["trials"]
     _steps(opt2, fresh, rank, 6, seed=1)  # no new round: the plan and the corrections stay
     after = opt2.state_dict()["cgx"]["plan"]["decider"]["trials"]
+    from cgx.timeline import load, rank_path
+    marks = [(e["name"], e.get("args", {}).get("plan")) for e in load(rank_path(trace, rank))
+             if e.get("ph") == "i" and e["name"] in ("trials", "trial", "decided")]
     return {"levels": levels, "restored": restored, "rounds": (decider["rounds"], after["rounds"]),
+            "marks": marks, "printed": printed.getvalue(), "tried": opt.exchange_trials(),
             "corrections": (decider["corrections"], after["corrections"]),
             "phase": after["phase"], "levels_after": [r["level"] for r in opt2.compression_plan()]}
 
 
 @pytest.mark.multiproc
-def test_a_resumed_run_keeps_the_plan_and_the_learned_corrections():
-    a, b = run_gloo(_resume, 2)
+def test_a_resumed_run_keeps_the_plan_and_the_learned_corrections(tmp_path):
+    a, b = run_gloo(_resume, 2, str(tmp_path / "trace.json"))
+    # the trials are visible: on the timeline's decider row, and printed by rank 0
+    tried = [p["label"] for p in a["tried"][0]["plans"]]
+    assert a["marks"] == b["marks"] == [("trials", None)] + [("trial", t) for t in tried] + [
+        ("decided", a["tried"][0]["chosen"])]
+    assert "after trials" in a["printed"] and "| plan | measured step |" in a["printed"]
+    assert "after trials" not in b["printed"]
+    for out in (a, b):
+        del out["marks"], out["printed"]
     assert a == b
     assert a["restored"] == a["levels"] == a["levels_after"]
     assert a["rounds"] == (1, 1) and a["phase"] == "decided"
