@@ -11,11 +11,16 @@
    standard library's source) for ``--lm-steps`` steps under AdamW, and under SGD
    with momentum, with fixed 4- and 2-bit levels with and without error feedback
    and with ``auto``; validation loss and bytes per step.
+4. Compensation (``--compensation``): the LM under AdamW with 2-bit quantization,
+   without error feedback, with classic error feedback (``CGX_COMPENSATION=classic``)
+   and with ``error_feedback=True`` as it is under an adaptive optimizer (the moving
+   average of ``cgx.exchange.compensation``), against fp32, over ``--lm-seeds`` seeds.
 
 Usage::
 
     .venv/bin/python benchmarks/adaptive.py [--epochs 8] [--lm-steps 400] [--out docs/results/adaptive]
     .venv/bin/python benchmarks/adaptive.py --solver-only --out docs/results/adaptive-solver
+    .venv/bin/python benchmarks/adaptive.py --compensation --lm-seeds 2 --out docs/results/adaptive-compensation
 
 Writes ``<out>.json`` and ``<out>.md`` and prints the tables.
 """
@@ -146,21 +151,23 @@ def _lm_compression(hvd, method: str):
     bits = int(method[0])
     return hvd.Compression.quantize(bits=bits, bucket_size=1024,
                                     rounding="nearest" if "nearest" in method else "stochastic",
-                                    error_feedback=method.endswith("+ EF"))
+                                    error_feedback="+ EF" in method)
 
 
-def _lm_rank(rank, world, port, method, optimizer, steps, out):
+def _lm_rank(rank, world, port, method, optimizer, steps, seed, out):
     import math
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if method.endswith("EF classic"):  # error feedback as under SGD, whatever the optimizer
+        os.environ["CGX_COMPENSATION"] = "classic"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import cgx.torch as hvd
     from benchmarks.timetoacc.workloads import make
     hvd.init()
-    w = make("lm", rank, world, 0)
+    w = make("lm", rank, world, seed)
     model = w.model
     base = w.optimizer(model.parameters()) if optimizer == "AdamW" else \
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -181,6 +188,7 @@ def _lm_rank(rank, world, port, method, optimizer, steps, out):
         with open(out, "w") as f:
             json.dump({"bytes_per_step": wire, "val_loss": val, "steps": steps,
                        "error_feedback": bool(opt._plan.error_feedback),
+                       "compensation": opt._plan.residuals.compensation.value,
                        "plan": format_levels(opt.compression_plan())}, f)
     dist.destroy_process_group()
 
@@ -190,11 +198,43 @@ def bench_lm(steps: int) -> dict:
     for optimizer, methods in (("AdamW", LM_METHODS), ("SGD", LM_SGD_METHODS)):
         for method in methods:
             t0 = time.perf_counter()
-            out[f"{optimizer}: {method}"] = r = _spawn(_lm_rank, method, optimizer, steps)
+            out[f"{optimizer}: {method}"] = r = _spawn(_lm_rank, method, optimizer, steps, 0)
             print(f"  LM {optimizer:5s} {method:20s} val {r['val_loss']:.4f}  "
                   f"{r['bytes_per_step'] / 1e3:7.1f} kB/step  ({time.perf_counter() - t0:.0f} s)",
                   file=sys.stderr, flush=True)
     return out
+
+
+COMPENSATION_METHODS = ("fp32", "2-bit", "2-bit + EF classic", "2-bit + EF")
+
+
+def bench_compensation(steps: int, seeds: int) -> dict:
+    """AdamW on the LM: each method of COMPENSATION_METHODS with seeds 0..seeds-1."""
+    out = {}
+    for seed in range(seeds):
+        for method in COMPENSATION_METHODS:
+            t0 = time.perf_counter()
+            out[f"{method} (seed {seed})"] = r = _spawn(_lm_rank, method, "AdamW", steps, seed)
+            r.pop("plan")
+            print(f"  LM AdamW {method:20s} seed {seed} val {r['val_loss']:.4f}  "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return out
+
+
+def compensation_table(runs: dict, seeds: int) -> list:
+    """One row per method: validation loss per seed, mean, and the mean's gap to fp32."""
+    loss = {m: [runs[f"{m} (seed {s})"]["val_loss"] for s in range(seeds)]
+            for m in COMPENSATION_METHODS}
+    fp32 = statistics.mean(loss["fp32"])
+    lines = ["| exchange (AdamW) | compensation | " + " | ".join(
+        f"val loss seed {s}" for s in range(seeds)) + " | mean | vs fp32 |",
+        "|---|---|" + "---:|" * (seeds + 2)]
+    for m in COMPENSATION_METHODS:
+        mean = statistics.mean(loss[m])
+        comp = runs[f"{m} (seed 0)"]["compensation"]
+        lines.append(f"| {m} | {comp} | " + " | ".join(f"{v:.4f}" for v in loss[m]) +
+                     f" | {mean:.4f} | {100 * (mean / fp32 - 1):+.1f}% |")
+    return lines
 
 
 def lm_table(lm: dict) -> list:
@@ -218,7 +258,16 @@ def main(argv=None) -> int:
                    help="LM steps per method (0: skip the LM part)")
     p.add_argument("--out", default="docs/results/adaptive")
     p.add_argument("--solver-only", action="store_true", help="time the solver, nothing else")
+    p.add_argument("--compensation", action="store_true",
+                   help="the LM's error compensation under AdamW, nothing else")
+    p.add_argument("--lm-seeds", type=int, default=1, help="seeds per method (--compensation)")
     args = p.parse_args(argv)
+    if args.compensation:
+        runs = bench_compensation(args.lm_steps, args.lm_seeds)
+        lines = [f"Transformer LM (benchmarks/timetoacc), 2 ranks, {args.lm_steps} AdamW steps, "
+                 "cosine learning rate, quantized with bucket 1024, stochastic rounding:", ""]
+        return _write(args, lines + compensation_table(runs, args.lm_seeds),
+                      {"compensation": runs}, "2 cores, no GPU, 2 ranks on one machine")
     solver = bench_solver()
     lines = ["Solver: %d layers x %d candidates: %.1f ms (median, %s), %.1f ms with the numpy "
              "fallback; cost %.2f x the uniform reference at %.3f of the error budget" % (

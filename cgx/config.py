@@ -80,6 +80,15 @@ class CompressionMode(enum.Enum):
     AUTO = "auto"  # per-layer levels within an error budget (Compression.auto, cgx.adaptive)
 
 
+class CompensationChoice(enum.Enum):
+    """How quantization's dropped values come back when error feedback is on
+    (``CGX_COMPENSATION``; the algorithms: ``cgx.exchange.compensation``)."""
+
+    AUTO = "auto"  # by the optimizer: moving average under Adam-type ones, classic otherwise
+    CLASSIC = "classic"  # all of it, added to the next step's values
+    MOVING_AVERAGE = "moving_average"  # a moving average of it, clipped to the bucket's range
+
+
 class Hierarchy(enum.Enum):
     """Two-level reduction: inside a node, then across nodes (``CGX_HIERARCHICAL``)."""
 
@@ -188,6 +197,7 @@ class Config:
     rounding: Rounding = Rounding.STOCHASTIC  # CGX_COMPRESSION_ROUNDING
     skip_1d: bool = True  # CGX_COMPRESSION_SKIP_1D: biases/norms go uncompressed
     error_feedback: bool = False  # CGX_COMPRESSION_ERROR_FEEDBACK: keep residuals
+    compensation: CompensationChoice = CompensationChoice.AUTO  # CGX_COMPENSATION
     seed: int = 0  # CGX_SEED: stochastic-rounding seed (same on every rank)
     layer_config: Optional[str] = None  # CGX_COMPRESSION_CONFIG: YAML of per-layer rules
     compression: CompressionMode = CompressionMode.QUANTIZE  # CGX_COMPRESSION: quantize | auto
@@ -285,6 +295,7 @@ class Config:
             rounding=_enum(env, "CGX_COMPRESSION_ROUNDING", Rounding, cls.rounding),
             skip_1d=_bool(env, "CGX_COMPRESSION_SKIP_1D", cls.skip_1d),
             error_feedback=_bool(env, "CGX_COMPRESSION_ERROR_FEEDBACK", cls.error_feedback),
+            compensation=_enum(env, "CGX_COMPENSATION", CompensationChoice, cls.compensation),
             seed=_int(env, "CGX_SEED", cls.seed, 0, 2**32 - 1),
             layer_config=env.get("CGX_COMPRESSION_CONFIG") or None,
             compression=_enum(env, "CGX_COMPRESSION", CompressionMode, cls.compression),

@@ -1,29 +1,50 @@
-"""Whether ``auto`` feeds compression errors back: decided by the optimizer's update rule.
+"""Whether an exchange feeds compression errors back, and how: decided by the optimizer's
+update rule.
 
 Error feedback adds what compression dropped to the next step's gradient, so
 the sum of what is sent over many steps equals the sum of the gradients. An
 optimizer whose update is linear in the gradient (SGD, with or without
-momentum) sees exactly that sum, and error feedback helps it. An adaptive one
-(Adam and its kin) divides each coordinate by a running root mean square of
-its gradients, and the residual's delayed bursts inflate that normaliser and
-swing single steps: the 1-bit Adam and LoCo papers report it, and we measured
-it (benchmarks/adaptive.py, a transformer LM, 2 ranks, 400 AdamW steps: 2-bit
-with error feedback 10% above fp32's validation loss, without 5%; moving-average
-and decayed residuals in LoCo's spirit sat between the two, never below "off").
+momentum) sees exactly that sum, and classic error feedback helps it. An
+adaptive one (Adam and its kin) divides each coordinate by a running root mean
+square of its gradients: classic error feedback sends each step's error twice
+(dropped now, added next step), so that normaliser takes twice the noise and the
+steps shrink. Measured (benchmarks/adaptive.py, a transformer LM, 2 ranks, 400
+AdamW steps, 2-bit): classic error feedback ends 10% above fp32's validation
+loss, no error feedback 5%.
 
-So ``Compression.auto(error_feedback=None)`` (the default) keeps residuals
-under linear optimizers and not under adaptive ones; an optimizer it does not
-know leaves ``CGX_COMPRESSION_ERROR_FEEDBACK`` in charge. The rule is the same
-for every family: top-k and PowerSGD are biased without residuals, but under
-Adam their residuals' bursts are what hurt, and each candidate's error is
-measured on what it sends without them (:mod:`cgx.adaptive.stats`), so the
-plan picks them only where that error fits the budget.
+So an exchange that keeps residuals under an adaptive optimizer uses
+:attr:`Compensation.MOVING_AVERAGE` (LoCo's): a moving average of the errors is
+added back, clipped to the bucket's range, which returns what is systematic in
+the errors and only a small share of their step-to-step noise; on that LM it
+ends level with no error feedback, where classic ended 5% above it
+(docs/results/adaptive.md). ``CGX_COMPENSATION=classic`` (or ``moving_average``)
+sets one for every optimizer.
+
+``Compression.auto(error_feedback=None)`` (the default) keeps residuals under
+linear optimizers and not under adaptive ones; an optimizer it does not know
+leaves ``CGX_COMPRESSION_ERROR_FEEDBACK`` in charge. The rule is the same for
+every family: top-k and PowerSGD are biased without residuals, but under Adam
+their residuals' bursts are what hurt (their residuals are classic: the moving
+average is the fused quantized exchange's), and each candidate's error is
+measured on what it sends without them (:mod:`cgx.adaptive.stats`), so the plan
+picks them only where that error fits the budget.
 """
 
 from __future__ import annotations
 
 import enum
 from typing import Optional
+
+from cgx.config import CompensationChoice
+
+
+class Compensation(enum.Enum):
+    """What a quantized tensor's exchange does with the values its compression dropped
+    (the algorithms and their formulas: :mod:`cgx.exchange.compensation`)."""
+
+    NONE = "none"  # dropped for good (stochastic rounding keeps each step unbiased)
+    ERROR_FEEDBACK = "error_feedback"  # all of it added to the next step's values (classic)
+    MOVING_AVERAGE = "moving_average"  # its moving average added, clipped to the bucket's range
 
 
 class UpdateRule(enum.Enum):
@@ -67,3 +88,17 @@ def error_feedback_for(explicit: Optional[bool], rule: UpdateRule, configured: b
     if rule is UpdateRule.ADAPTIVE:
         return False
     return bool(configured)
+
+
+def compensation_for(error_feedback: bool, rule: UpdateRule,
+                     choice: CompensationChoice = CompensationChoice.AUTO) -> Compensation:
+    """The :class:`Compensation` of an exchange: NONE without ``error_feedback``; else
+    ``choice`` (``CGX_COMPENSATION``), which by default (AUTO) is MOVING_AVERAGE under an
+    adaptive optimizer and classic ERROR_FEEDBACK under any other."""
+    if not error_feedback:
+        return Compensation.NONE
+    if choice is CompensationChoice.CLASSIC:
+        return Compensation.ERROR_FEEDBACK
+    if choice is CompensationChoice.MOVING_AVERAGE or rule is UpdateRule.ADAPTIVE:
+        return Compensation.MOVING_AVERAGE
+    return Compensation.ERROR_FEEDBACK

@@ -83,11 +83,12 @@ def reduce_fused(cfg: Settings, red, call: Call, specs: Sequence) -> None:
     residuals = None
     if cfg.error_feedback and not call.shadow:
         cfg.store.send_with_exact(work, call.names, specs)
-        residuals = [cfg.store.for_tensor(n, w) if s is not None else None
-                     for n, s, w in zip(call.names, specs, work)]
+        residuals = cfg.store.buffers(work, call.names, specs)
     red.allreduce(work, specs, op=cfg.op, prescale_factor=1.0 / cfg.predivide,
                   postscale_factor=cfg.predivide, name=call.label, residuals=residuals,
                   step=call.step)
+    if residuals is not None:
+        cfg.store.settle(call.names, residuals)
 
 
 def reduce_family(cfg: Settings, red, comp, ws: list, names: list) -> None:

@@ -22,7 +22,8 @@ In QUANTIZE mode, :meth:`cgx.rules.LayerRules.spec_for` decides per tensor
 (by name and shape) whether it is quantized and how; small and 1-D tensors
 travel exact. Error feedback (``CGX_COMPRESSION_ERROR_FEEDBACK=1`` with
 ``Compression.none``, or ``Compression.quantize(error_feedback=True)``) keeps
-one float32 residual per compressed tensor (``cgx.exchange.residuals``).
+one float32 residual per compressed tensor (``cgx.exchange.residuals``): classic
+under SGD, a moving average under Adam-type optimizers (``cgx.exchange.compensation``).
 Each mode is a small object of ``cgx.exchange.modes`` (``cgx.exchange.auto`` for AUTO).
 
 Example::
@@ -40,7 +41,7 @@ from typing import Optional, Sequence
 import torch
 
 from cgx import runtime, session
-from cgx.adaptive.compensation import UpdateRule, error_feedback_for
+from cgx.adaptive.compensation import UpdateRule, compensation_for, error_feedback_for
 from cgx.comm.base import ReduceOp
 from cgx.compression import (AutoCompression, Compression, Compressor, CompressorKind,
                              ErrorFeedback, ExactCompressor, QuantizeCompressor, resolve)
@@ -110,7 +111,8 @@ class GradientPlan:
         config: defaults (``cgx.runtime.config()`` when omitted).
         group: a process set from :func:`cgx.process_sets.resolve` (None: all ranks).
         update_rule: the optimizer's :class:`cgx.adaptive.compensation.UpdateRule`;
-            ``compression="auto"`` keeps residuals of quantized layers by it.
+            ``compression="auto"`` keeps residuals of quantized layers by it, and the
+            residuals' :class:`~cgx.adaptive.compensation.Compensation` follows it.
 
     Attributes:
         mode: the :class:`GradMode` chosen; ``reduction``: the mode's object.
@@ -145,7 +147,9 @@ class GradientPlan:
             self.specs = [s and dataclasses.replace(s, rotate=True) for s in self.specs]
         self.step = 0
         self.group = group
-        self.residuals = ResidualStore(self.predivide)
+        self.residuals = ResidualStore(self.predivide,
+                                       compensation_for(error_feedback, update_rule,
+                                                        cfg.compensation))
         settings = Settings(op, self.predivide, error_feedback, self.residuals)
         self.reduction = make_mode(mode, settings, comp, self.names, self.shapes, self.specs,
                                    base)
@@ -234,7 +238,10 @@ class GradientPlan:
         values dropped so far and not yet sent, flat float32 in the gradient's units, or
         None when nothing is held. Over any steps, the reduced outputs' sum plus the
         reduction of every rank's ``residual`` equals the reduction of the gradients'
-        sum (to float32 rounding), whatever the plan did meanwhile."""
+        sum (to float32 rounding), whatever the plan did meanwhile. With the moving
+        average compensation (``residuals.compensation``, adaptive optimizers) it is the
+        average held instead, and that identity does not hold: what the average and its
+        clip hold back is dropped (``cgx.exchange.compensation``)."""
         parts = self.residuals.held(name) + self.reduction.held(name)
         return sum(parts[1:], parts[0]) if parts else None
 

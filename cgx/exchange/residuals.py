@@ -13,6 +13,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from cgx.adaptive.compensation import Compensation
+from cgx.exchange.compensation import Compensator, MovingAverage
+
 
 def _copied(table: dict) -> dict:
     return {k: v.detach().clone() for k, v in table.items()}
@@ -24,20 +27,31 @@ class ResidualStore:
 
     Args:
         predivide: the exchange's predivide factor (input units x predivide = gradient units).
+        compensation: how the fused exchange's residuals come back
+            (:mod:`cgx.exchange.compensation`): ``residuals`` hold the classic residual,
+            or with MOVING_AVERAGE the average of what quantization dropped.
+        settings: the moving average's settings (its defaults when None).
     """
 
-    def __init__(self, predivide: float = 1.0):
+    def __init__(self, predivide: float = 1.0,
+                 compensation: Compensation = Compensation.ERROR_FEEDBACK,
+                 settings: Optional[MovingAverage] = None):
         self.predivide = float(predivide)
         self.residuals: dict[str, torch.Tensor] = {}
         self.owed: dict[str, torch.Tensor] = {}
+        self.compensation = compensation
+        self.compensator = Compensator(compensation, self.residuals, settings)
 
-    def for_tensor(self, name: str, w: torch.Tensor) -> torch.Tensor:
-        """The float32 residual of ``name`` for the reducer to update (zeros when new)."""
-        e = self.residuals.get(name)
-        if e is None or e.numel() != w.numel() or e.device != w.device:
-            e = torch.zeros(w.numel(), dtype=torch.float32, device=w.device)
-            self.residuals[name] = e
-        return e
+    def buffers(self, work: Sequence[torch.Tensor], names: Sequence[str],
+                specs: Sequence) -> list:
+        """One float32 buffer per quantized tensor (None for exact ones) for the reducer
+        to add and update; :meth:`settle` keeps what it left."""
+        return [self.compensator.buffer(n, w, s, self.predivide) if s is not None else None
+                for n, s, w in zip(names, specs, work)]
+
+    def settle(self, names: Sequence[str], buffers: Sequence) -> None:
+        """After the reducer: keep what the compensation keeps of what it dropped."""
+        self.compensator.settle(names, buffers)
 
     def send_with_exact(self, work: Sequence[torch.Tensor], names: Sequence[str],
                         specs: Sequence) -> None:
@@ -77,5 +91,6 @@ class ResidualStore:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.residuals = _copied(state["residuals"])
+        self.residuals.clear()
+        self.residuals.update(_copied(state["residuals"]))
         self.owed = _copied(state.get("owed", {}))
