@@ -370,6 +370,8 @@ ENV_VARS = {
     "CGX_COMPRESSION_ROUNDING": "nearest | stochastic (default stochastic)",
     "CGX_COMPRESSION_SKIP_1D": "1-D tensors (biases, norms) travel uncompressed (default 1)",
     "CGX_COMPRESSION_ERROR_FEEDBACK": "keep the quantization residual and add it next step (default 0)",
+    "CGX_COMPENSATION": "auto | classic | moving_average: how error feedback adds the residual "
+                        "back; auto: a moving average under Adam-type optimizers (default auto)",
     "CGX_COMPRESSION_CONFIG": "YAML file of per-layer rules (exclude, bits, bucket size)",
     "CGX_SEED": "seed of stochastic rounding, the same on every rank (default 0)",
     "CGX_COMPRESSION": "quantize | auto: what Compression.none means; auto picks per-layer "
