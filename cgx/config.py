@@ -80,6 +80,13 @@ class CompressionMode(enum.Enum):
     AUTO = "auto"  # per-layer levels within an error budget (Compression.auto, cgx.adaptive)
 
 
+class AutoObjective(enum.Enum):
+    """What ``Compression.auto`` minimizes within its error budget (``CGX_AUTO_OBJECTIVE``)."""
+
+    BYTES = "bytes"  # the bytes sent (L-GreCo's knapsack)
+    TIME = "time"  # the measured step: the model proposes plans, trials keep the fastest
+
+
 class CompensationChoice(enum.Enum):
     """How quantization's dropped values come back when error feedback is on
     (``CGX_COMPENSATION``; the algorithms: ``cgx.exchange.compensation``)."""
@@ -204,6 +211,7 @@ class Config:
     auto_alpha: float = 1.0  # CGX_AUTO_ALPHA: auto's error budget, x the uniform default's
     auto_window: int = 10  # CGX_AUTO_WINDOW: steps of statistics per plan
     auto_adjust_every: int = 1000  # CGX_AUTO_ADJUST_EVERY: steps between plans
+    auto_objective: AutoObjective = AutoObjective.BYTES  # CGX_AUTO_OBJECTIVE: bytes | time
 
     # --- collectives ---------------------------------------------------------
     fusion_buffer_mb: float = 64.0  # CGX_FUSION_BUFFER_SIZE_MB (else HOROVOD_FUSION_THRESHOLD bytes)
@@ -303,6 +311,7 @@ class Config:
             auto_window=_int(env, "CGX_AUTO_WINDOW", cls.auto_window, 1, 1 << 30),
             auto_adjust_every=_int(env, "CGX_AUTO_ADJUST_EVERY", cls.auto_adjust_every, 1,
                                    1 << 30),
+            auto_objective=_enum(env, "CGX_AUTO_OBJECTIVE", AutoObjective, cls.auto_objective),
             fusion_buffer_mb=fusion_mb,
             inner_reduction=_enum(env, "CGX_INNER_REDUCTION_TYPE", ReductionType,
                                   cls.inner_reduction),
@@ -379,6 +388,8 @@ ENV_VARS = {
     "CGX_AUTO_ALPHA": "auto: total error allowed, x the uniform default's (default 1.0)",
     "CGX_AUTO_WINDOW": "auto: steps of gradient statistics per plan (default 10)",
     "CGX_AUTO_ADJUST_EVERY": "auto: steps between plans (default 1000)",
+    "CGX_AUTO_OBJECTIVE": "auto: bytes (fewest within the error budget) or time (trials keep "
+                          "the fastest measured plan within it); default bytes",
     "CGX_FUSION_BUFFER_SIZE_MB": "fusion buffer size in MB (default 64; else HOROVOD_FUSION_THRESHOLD)",
     "CGX_INNER_REDUCTION_TYPE": "sra | ring | allgather, inside a node (default sra)",
     "CGX_CROSS_REDUCTION_TYPE": "sra | ring | allgather, across nodes (default sra)",

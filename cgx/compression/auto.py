@@ -7,12 +7,11 @@ by the gradient plan of ``DistributedOptimizer``.
 
 from __future__ import annotations
 
-import enum
 from typing import Optional, Sequence
 
 from cgx.compression.policy import Policy
 from cgx.compression.trials import TrialSettings
-from cgx.config import Rounding
+from cgx.config import AutoObjective, Rounding
 
 FAMILIES = ("quantize", "topk", "powersgd")  # families cgx.adaptive chooses from
 # "exact" alone: every layer travels exact through auto's path (it measures and plans, and
@@ -20,11 +19,7 @@ FAMILIES = ("quantize", "topk", "powersgd")  # families cgx.adaptive chooses fro
 EXACT = "exact"
 
 
-class Objective(enum.Enum):
-    """What ``auto`` minimizes within its error budget."""
-
-    BYTES = "bytes"  # the bytes sent (L-GreCo's knapsack)
-    TIME = "time"  # the measured step: the model proposes plans, trials keep the fastest
+Objective = AutoObjective  # what auto minimizes within its error budget
 
 
 def _objective(value) -> Objective:

@@ -61,7 +61,8 @@ def choose_mode(comp, cfg: Config, update_rule: UpdateRule):
     if isinstance(comp, Compressor) and comp.kind is CompressorKind.NONE and \
             cfg.compression is CompressionMode.AUTO:
         comp = AutoCompression(alpha=cfg.auto_alpha, window=cfg.auto_window,
-                               adjust_every=cfg.auto_adjust_every)
+                               adjust_every=cfg.auto_adjust_every,
+                               objective=cfg.auto_objective)
     if isinstance(comp, AutoCompression):
         return comp, GradMode.AUTO, cfg, error_feedback_for(comp.error_feedback, update_rule,
                                                             cfg.error_feedback)

@@ -137,3 +137,15 @@ def test_settings_are_checked_at_construction():
         Compression.auto(objective="time", drift_tolerance=-0.1)
     with pytest.raises(ValueError, match="at least one plan"):
         Trials(TrialSettings()).begin(0, [])
+
+
+def test_the_environment_selects_the_deciding_exchange():
+    from cgx.config import Config, ConfigError
+    from cgx.exchange import GradientPlan
+    cfg = Config.from_env({"CGX_COMPRESSION": "auto", "CGX_AUTO_OBJECTIVE": "time"})
+    plan = GradientPlan(["w", "b"], [(64, 64), (64,)], config=cfg)
+    assert plan.decider is not None and plan.compression.objective.value == "time"
+    plain = GradientPlan(["w"], [(64, 64)], config=Config.from_env({"CGX_COMPRESSION": "auto"}))
+    assert plain.decider is None  # bytes, the default objective
+    with pytest.raises(ConfigError, match="CGX_AUTO_OBJECTIVE"):
+        Config.from_env({"CGX_AUTO_OBJECTIVE": "fast"})
