@@ -117,6 +117,43 @@ def _plain_wire_bytes(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world if world > 1 else 0
 
 
+def _validate(transport, tensors, specs, op):
+    """``(tensors, specs)`` as lists, checked: types, one spec per tensor, the op, the
+    device, contiguity and quantizable dtypes."""
+    if isinstance(tensors, torch.Tensor) or not all(isinstance(t, torch.Tensor)
+                                                    for t in tensors):
+        raise TypeError("tensors must be a list of torch.Tensor (wrap a single tensor in "
+                        "a list)")
+    tensors = list(tensors)
+    if specs is None:
+        specs = [None] * len(tensors)
+    specs = list(specs)
+    if len(specs) != len(tensors):
+        raise ValueError(f"got {len(specs)} specs for {len(tensors)} tensors; pass one "
+                         "QuantSpec or None per tensor")
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"op must be a cgx ReduceOp, got {op!r}")
+    if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        for i, t in enumerate(tensors):
+            if t.is_complex():
+                raise ValueError(f"tensor {i} is complex ({t.dtype}); complex tensors reduce "
+                                 f"with op Sum or Average only, not {op.name.title()}")
+    dev = transport.device
+    for i, (t, s) in enumerate(zip(tensors, specs)):
+        if t.device != dev:
+            raise ValueError(f"tensor {i} is on {t.device} but this transport "
+                             f"({transport.name}) reduces tensors on {dev}")
+        if not t.is_contiguous():
+            raise ValueError(f"tensor {i} is not contiguous; call .contiguous() first")
+        if s is not None:
+            if not isinstance(s, QuantSpec):
+                raise TypeError(f"specs[{i}] must be a QuantSpec or None, got {s!r}")
+            if t.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"tensor {i} has dtype {t.dtype}; only float32/float16/"
+                                "bfloat16 tensors can be quantized (use spec None)")
+    return tensors, specs
+
+
 class Reducer:
     """Reduces tensor lists over a transport, compressed where a spec says so.
 
@@ -212,7 +249,7 @@ class Reducer:
                 (``cgx.collectives.offload.Placement``; None: on the GPU); the same
                 bytes and values either way; CPU tensors ignore it.
         """
-        tensors, specs = self._validate(tensors, specs, op)
+        tensors, specs = _validate(self.transport, tensors, specs, op)
         t_start = time.perf_counter()
         algorithm = _check_algorithm(algorithm or self.config.inner_reduction)
         world = self.transport.size
@@ -229,15 +266,9 @@ class Reducer:
         fp32_wire = 0
         with count_sent() as sent:
             if comp and world > 1:
-                views = [tensors[i].view(-1) for i in comp]
-                segs = tuple((v.numel(), specs[i]) for v, i in zip(views, comp))
-                res = _check_residuals(residuals, tensors, comp, algorithm, self.hierarchical)
-                self._compressed(views, segs, algorithm, scale, buffer_id, timer, res,
-                                 self.calls if step is None else step,
-                                 offload.placements_of(placements, len(tensors), comp))
-                if res is not None:
-                    _sanitize_residuals(res)
-                fp32_wire += _plain_wire_bytes(sum(v.numel() * 4 for v in views), world)
+                fp32_wire += self._compressed_call(
+                    tensors, specs, comp, algorithm, scale, buffer_id, timer, residuals,
+                    self.calls if step is None else step, placements)
             elif comp and scale != 1.0:
                 for i in comp:
                     scale_(tensors[i], scale)
@@ -299,7 +330,8 @@ class Reducer:
         Submissions run in order; submit in the same order on every rank.
         """
         # Validate here so that a user error raises in the caller, not in the engine.
-        tensors, specs = self._validate(tensors, specs, kwargs.get("op", ReduceOp.AVERAGE))
+        tensors, specs = _validate(self.transport, tensors, specs,
+                                   kwargs.get("op", ReduceOp.AVERAGE))
         return self.engine().submit(self.allreduce, (tensors, specs), kwargs,
                                    label=kwargs.get("name") or "allreduce")
 
@@ -310,39 +342,17 @@ class Reducer:
 
     # -- internals ----------------------------------------------------------------
 
-    def _validate(self, tensors, specs, op):
-        if isinstance(tensors, torch.Tensor) or not all(isinstance(t, torch.Tensor)
-                                                        for t in tensors):
-            raise TypeError("tensors must be a list of torch.Tensor (wrap a single tensor in "
-                            "a list)")
-        tensors = list(tensors)
-        if specs is None:
-            specs = [None] * len(tensors)
-        specs = list(specs)
-        if len(specs) != len(tensors):
-            raise ValueError(f"got {len(specs)} specs for {len(tensors)} tensors; pass one "
-                             "QuantSpec or None per tensor")
-        if not isinstance(op, ReduceOp):
-            raise TypeError(f"op must be a cgx ReduceOp, got {op!r}")
-        if op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            for i, t in enumerate(tensors):
-                if t.is_complex():
-                    raise ValueError(f"tensor {i} is complex ({t.dtype}); complex tensors reduce "
-                                     f"with op Sum or Average only, not {op.name.title()}")
-        dev = self.transport.device
-        for i, (t, s) in enumerate(zip(tensors, specs)):
-            if t.device != dev:
-                raise ValueError(f"tensor {i} is on {t.device} but this transport "
-                                 f"({self.transport.name}) reduces tensors on {dev}")
-            if not t.is_contiguous():
-                raise ValueError(f"tensor {i} is not contiguous; call .contiguous() first")
-            if s is not None:
-                if not isinstance(s, QuantSpec):
-                    raise TypeError(f"specs[{i}] must be a QuantSpec or None, got {s!r}")
-                if t.dtype not in FLOAT_DTYPES:
-                    raise TypeError(f"tensor {i} has dtype {t.dtype}; only float32/float16/"
-                                    "bfloat16 tensors can be quantized (use spec None)")
-        return tensors, specs
+    def _compressed_call(self, tensors, specs, comp, algorithm, scale, buffer_id, timer,
+                         residuals, step, placements) -> int:
+        """The compressed tensors ``comp`` of a call, reduced; their float32 ring bytes."""
+        views = [tensors[i].view(-1) for i in comp]
+        segs = tuple((v.numel(), specs[i]) for v, i in zip(views, comp))
+        res = _check_residuals(residuals, tensors, comp, algorithm, self.hierarchical)
+        self._compressed(views, segs, algorithm, scale, buffer_id, timer, res, step,
+                         offload.placements_of(placements, len(tensors), comp))
+        if res is not None:
+            _sanitize_residuals(res)
+        return _plain_wire_bytes(sum(v.numel() * 4 for v in views), self.transport.size)
 
     def _block_numel(self, segs) -> int:
         """Values per pipeline block: ~PIPELINE_BLOCKS blocks, within [1 MB, CGX_PIPELINE_CHUNK_MB].
