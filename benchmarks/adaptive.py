@@ -21,6 +21,7 @@ Usage::
     .venv/bin/python benchmarks/adaptive.py [--epochs 8] [--lm-steps 400] [--out docs/results/adaptive]
     .venv/bin/python benchmarks/adaptive.py --solver-only --out docs/results/adaptive-solver
     .venv/bin/python benchmarks/adaptive.py --compensation --lm-seeds 2 --out docs/results/adaptive-compensation
+    .venv/bin/python benchmarks/adaptive.py --compensation --methods "2-bit nearest,2-bit nearest + EF classic,2-bit nearest + EF" --out docs/results/adaptive-compensation-nearest
 
 Writes ``<out>.json`` and ``<out>.md`` and prints the tables.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import statistics
 import sys
@@ -208,11 +210,11 @@ def bench_lm(steps: int) -> dict:
 COMPENSATION_METHODS = ("fp32", "2-bit", "2-bit + EF classic", "2-bit + EF")
 
 
-def bench_compensation(steps: int, seeds: int) -> dict:
-    """AdamW on the LM: each method of COMPENSATION_METHODS with seeds 0..seeds-1."""
+def bench_compensation(steps: int, seeds: int, methods=COMPENSATION_METHODS) -> dict:
+    """AdamW on the LM: each of ``methods`` with seeds 0..seeds-1."""
     out = {}
     for seed in range(seeds):
-        for method in COMPENSATION_METHODS:
+        for method in methods:
             t0 = time.perf_counter()
             out[f"{method} (seed {seed})"] = r = _spawn(_lm_rank, method, "AdamW", steps, seed)
             r.pop("plan")
@@ -221,15 +223,15 @@ def bench_compensation(steps: int, seeds: int) -> dict:
     return out
 
 
-def compensation_table(runs: dict, seeds: int) -> list:
-    """One row per method: validation loss per seed, mean, and the mean's gap to fp32."""
-    loss = {m: [runs[f"{m} (seed {s})"]["val_loss"] for s in range(seeds)]
-            for m in COMPENSATION_METHODS}
-    fp32 = statistics.mean(loss["fp32"])
+def compensation_table(runs: dict, seeds: int, methods=COMPENSATION_METHODS) -> list:
+    """One row per method: validation loss per seed, mean, and the mean's gap to the
+    first method's (fp32 by default)."""
+    loss = {m: [runs[f"{m} (seed {s})"]["val_loss"] for s in range(seeds)] for m in methods}
+    fp32 = statistics.mean(loss[methods[0]])
     lines = ["| exchange (AdamW) | compensation | " + " | ".join(
-        f"val loss seed {s}" for s in range(seeds)) + " | mean | vs fp32 |",
+        f"val loss seed {s}" for s in range(seeds)) + f" | mean | vs {methods[0]} |",
         "|---|---|" + "---:|" * (seeds + 2)]
-    for m in COMPENSATION_METHODS:
+    for m in methods:
         mean = statistics.mean(loss[m])
         comp = runs[f"{m} (seed 0)"]["compensation"]
         lines.append(f"| {m} | {comp} | " + " | ".join(f"{v:.4f}" for v in loss[m]) +
@@ -261,12 +263,16 @@ def main(argv=None) -> int:
     p.add_argument("--compensation", action="store_true",
                    help="the LM's error compensation under AdamW, nothing else")
     p.add_argument("--lm-seeds", type=int, default=1, help="seeds per method (--compensation)")
+    p.add_argument("--methods", default=",".join(COMPENSATION_METHODS),
+                   help="--compensation: comma-separated methods, the first the reference")
     args = p.parse_args(argv)
     if args.compensation:
-        runs = bench_compensation(args.lm_steps, args.lm_seeds)
+        methods = tuple(m.strip() for m in args.methods.split(","))
+        runs = bench_compensation(args.lm_steps, args.lm_seeds, methods)
         lines = [f"Transformer LM (benchmarks/timetoacc), 2 ranks, {args.lm_steps} AdamW steps, "
-                 "cosine learning rate, quantized with bucket 1024, stochastic rounding:", ""]
-        return _write(args, lines + compensation_table(runs, args.lm_seeds),
+                 "cosine learning rate, quantized with bucket 1024 (stochastic rounding unless "
+                 "named nearest):", ""]
+        return _write(args, lines + compensation_table(runs, args.lm_seeds, methods),
                       {"compensation": runs}, "2 cores, no GPU, 2 ranks on one machine")
     solver = bench_solver()
     lines = ["Solver: %d layers x %d candidates: %.1f ms (median, %s), %.1f ms with the numpy "
@@ -307,7 +313,7 @@ def _write(args, lines: list, data: dict, where: str) -> int:
         json.dump(data, f, indent=1)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     argv = [os.path.relpath(a, root) if os.path.isabs(a) else a for a in sys.argv[1:]]
-    command = " ".join([".venv/bin/python benchmarks/adaptive.py", *argv])
+    command = " ".join([".venv/bin/python benchmarks/adaptive.py", *map(shlex.quote, argv)])
     load = os.getloadavg()[0]  # other work on the machine slows every timing
     with open(args.out + ".md", "w") as f:
         f.write(f"`{command}` ({where}; load average {load:.1f} at the end)\n\n" + text + "\n")
