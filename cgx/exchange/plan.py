@@ -46,7 +46,7 @@ from cgx.comm.base import ReduceOp
 from cgx.compression import (AutoCompression, Compression, Compressor, CompressorKind,
                              ErrorFeedback, ExactCompressor, QuantizeCompressor, resolve)
 from cgx.compression.planned import PlannedCompression
-from cgx.config import CompressionMode, Config
+from cgx.config import AutoObjective, CompressionMode, Config
 from cgx.exchange.auto import Auto
 from cgx.exchange.modes import Call, Fused, GradMode, Mode, PerTensor, Planned, Settings, Summable
 from cgx.exchange.residuals import ResidualStore
@@ -64,6 +64,10 @@ def choose_mode(comp, cfg: Config, update_rule: UpdateRule):
                                adjust_every=cfg.auto_adjust_every,
                                objective=cfg.auto_objective)
     if isinstance(comp, AutoCompression):
+        if comp.objective is AutoObjective.TIME and comp.error_feedback is None:
+            # the deciding exchange: residuals as the fixed default keeps them (the error
+            # budget is the uniform default's, and residuals cost step time on every plan)
+            return comp, GradMode.AUTO, cfg, cfg.error_feedback
         return comp, GradMode.AUTO, cfg, error_feedback_for(comp.error_feedback, update_rule,
                                                             cfg.error_feedback)
     if isinstance(comp, PlannedCompression):
