@@ -21,6 +21,10 @@ match the plain single-process reference:
   and a drift check every step after: the planned exchange's whole path (ready times,
   agreed profile, plan, checks, rebuilds when parameters are frozen or added) with
   nothing compressed.
+* ``"decide-exact"``: ``Compression.auto(objective="time")`` restricted to the exact
+  candidate: after each 1-step window the planner's measurements, the proposals, a round of
+  trials (one plan: the proposals coincide) and a check of the kept plan every step; the
+  deciding exchange's whole path with nothing compressed; the DDP hook pattern too.
 
 A new variant is one more entry in ``VARIANTS`` and one more branch in ``_opt``.
 """
@@ -36,7 +40,7 @@ STEPS = 4
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
 
 
-VARIANTS = ("plain", "sfb", "auto-exact", "planned-exact")
+VARIANTS = ("plain", "sfb", "auto-exact", "planned-exact", "decide-exact")
 EXACT_ONLY = {"layers": [{"pattern": "*", "exclude": True}]}  # per-layer rules: all exact
 _variant = "plain"  # set by init(): what _opt's optimizers decide with
 
@@ -68,6 +72,10 @@ def _compression(hvd):
         return hvd.Compression.auto(families=("exact",), window=1, adjust_every=2)
     if _variant == "planned-exact":
         return hvd.Compression.planned(calibrate_steps=2, replan_every=1)
+    if _variant == "decide-exact":  # the deciding exchange: proposals, a round, checks
+        return hvd.Compression.auto(objective="time", families=("exact",), window=1,
+                                    adjust_every=2, trial_steps=1, trial_warmup_steps=0,
+                                    recheck_every=1)
     return hvd.Compression.exact
 
 
