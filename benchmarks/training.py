@@ -68,13 +68,22 @@ def vgg11(num_classes: int = 10):
                          nn.Linear(4096, 4096), nn.ReLU(True), nn.Linear(4096, num_classes))
 
 
+def _one_step(step) -> float:
+    """One step after a barrier: the slowest rank's seconds."""
+    import torch
+    import torch.distributed as dist
+    dist.barrier()
+    t0 = time.perf_counter()
+    step()
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
+
+
 def _timed(step, warmup: int, steps: int, counted=None) -> tuple[list[float], Any, float]:
     """Run ``warmup + steps`` steps; per timed step the slowest rank's seconds, the bytes
     sent as counted (with ``counted``: anything with cgx's ``stats()``), and as this rank's
     link carried them."""
-    import torch
-    import torch.distributed as dist
-
     from benchmarks.netsim import link_tx_bytes
 
     times, before, tx0 = [], None, 0
@@ -83,13 +92,9 @@ def _timed(step, warmup: int, steps: int, counted=None) -> tuple[list[float], An
             tx0 = link_tx_bytes()
             if counted is not None:
                 before = counted.stats().wire_bytes
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        dt = _one_step(step)
         if i >= warmup:
-            times.append(dt.item())
+            times.append(dt)
     link = (link_tx_bytes() - tx0) / steps
     wire = (counted.stats().wire_bytes - before) / steps if counted is not None else None
     return times, wire, link
@@ -102,16 +107,9 @@ DECIDE = dict(objective="time", window=2, trial_steps=2, trial_warmup_steps=1)
 
 def _until_decided(step, decided, cap: int = 80) -> list[float]:
     """Run steps until ``decided()``; each step's seconds (slowest rank), as ``_timed``."""
-    import torch
-    import torch.distributed as dist
     times = []
     while not decided() and len(times) < cap:
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        times.append(dt.item())
+        times.append(_one_step(step))
     return times
 
 

@@ -69,10 +69,9 @@ class Decider:
                   f"{self.settings.trials.steps} steps each: "
                   + ", ".join(p.record.label for p in chosen), file=sys.stderr, flush=True)
 
-    def on_step(self, step: int, transport, verbose: bool = False,
-                timeline=None) -> Optional[list]:
+    def tick(self, step: int, transport, verbose: bool = False, timeline=None) -> None:
         """At the first reduction of ``step`` (every rank): time the last step, end a round or
-        re-try when due; the plan that travels now (None: no round yet, auto's own)."""
+        re-try when due."""
         event = self.trials.tick(step, time.perf_counter(), transport,
                                  probe=lambda: link_probe(transport, reps=2))
         if event is Event.DECIDED:
@@ -84,6 +83,10 @@ class Decider:
             since = time.perf_counter()
             self.planned.replan(transport, False, step=step, timeline=timeline)
             self.propose(step, transport, verbose, timeline, since)
+
+    def plan_now(self, step: int, timeline=None) -> Optional[list]:
+        """The plan that travels at ``step`` (None: no round yet, auto's own); a plan's first
+        step of its turn is marked on the timeline."""
         k = self.trials.plan_at(step)
         if self.trials.phase is Phase.TRIAL and step == self.trials.turn_start:
             _mark(timeline, "trial", {"step": step, "plan": self.trials.records[k].label})

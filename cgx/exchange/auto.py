@@ -82,9 +82,8 @@ class Auto(Mode):
             return
         self.last_step = step
         sched, verbose = self.adaptive, red.config.verbose
-        trial_plan = None
-        if self.decider is not None:
-            trial_plan = self.decider.on_step(step, red.transport, verbose, red.timeline)
+        if self.decider is not None:  # times the last step first: the round may end
+            self.decider.tick(step, red.transport, verbose, red.timeline)
         if sched.due(step):
             old, since = list(sched.plan), time.perf_counter()
             hidden = ()
@@ -92,14 +91,13 @@ class Auto(Mode):
                 self.planned.replan(red.transport, False, step=step, timeline=red.timeline)
                 hidden = [i for i, c in enumerate(self.planned.chosen)
                           if not c and sched.candidates[i] is not None]
-            if self.decider is not None:  # the fewest bytes alone; the decider combines
-                sched.replan(step, red.transport, red.config.cpu_threads, verbose)
+            # with trials, auto's own plan is the fewest bytes alone (the decider combines)
+            sched.replan(step, red.transport, red.config.cpu_threads, verbose,
+                         hidden=() if self.decider is not None else hidden)
+            if self.decider is not None:
                 self.decider.replanned(step, red.transport, verbose, red.timeline, since)
-                trial_plan = self.decider.on_step(step, red.transport, verbose, red.timeline)
-            else:
-                sched.replan(step, red.transport, red.config.cpu_threads, verbose,
-                             hidden=hidden)
             self._collect_owed(old)
+        trial_plan = self.decider.plan_now(step, red.timeline) if self.decider else None
         if trial_plan is not None and trial_plan != sched.plan:
             old = list(sched.plan)
             sched.plan[:] = trial_plan
