@@ -59,7 +59,7 @@ SERIAL_MODULES = frozenset({
     "test_netsim.py", "test_reliability.py", "test_reliability_keras.py",
     "test_train_benchmark.py", "test_training_benchmark.py", "test_observability.py",
     "test_planned_mode.py", "test_calibration.py", "test_auto_world.py",
-    "test_deciding_netsim.py",
+    "test_deciding_netsim.py", "test_deciding_mode.py",
 })
 
 
