@@ -42,7 +42,7 @@ STATE_FORMAT = 1
 # is mostly compute and compression), but which plan is fastest does. Only a change worth
 # LINK_FLOOR of the kept plan's step counts (a fast link's probe is a millisecond or two,
 # and its jitter as large).
-LINK_CHANGE, LINK_FLOOR = 0.5, 0.05
+LINK_CHANGE, LINK_FLOOR = 0.5, 0.2
 # A plan whose measured step is this much slower (relative) than the best median so far
 # ends its turn early.
 CUT = 0.5
