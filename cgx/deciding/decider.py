@@ -61,7 +61,7 @@ class Decider:
         chosen = select(proposals, self.settings.model_plans, self.trials.predicted)
         self.plans = [p.plan for p in chosen]
         self.trials.begin(step, [p.record for p in chosen], error_budget(self.adaptive),
-                          link_probe(transport, reps=2),
+                          link_probe(transport, reps=3),
                           agree_max([time.perf_counter() - since], transport)[0])
         _mark(timeline, "trials", {"step": step, "plans": [p.record.label for p in chosen]})
         if verbose and transport.rank == 0:

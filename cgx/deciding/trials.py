@@ -165,10 +165,8 @@ class Trials:
                 self.current, self.turn_start = self.current + 1, int(step)
             if self.current == len(self.records):
                 self._decide(step)
-                link, start = (probe() if probe is not None else None), self.round_link
-                self.link_s = link
                 # the link changed while the plans took turns: their times do not compare
-                moved = self._link_moved(link, start)
+                moved, self.link_s = self._probe_moved(probe, self.round_link)
                 return Event.RETRIAL if moved else Event.DECIDED
             return Event.NONE
         if prev is not None and prev[0] == step - 1 and self.phase is Phase.DECIDED \
@@ -188,13 +186,24 @@ class Trials:
         measured = agree_max([local], transport)[0]
         base = self.records[self.chosen].measured_s
         step_ratio = measured / base if measured and base else 1.0
-        link = probe() if probe is not None else None
+        link_moved, link = self._probe_moved(probe, self.link_s)
         link_ratio = link / self.link_s if link and self.link_s else 1.0
-        retrial = abs(step_ratio - 1.0) > self.settings.drift_tolerance or \
-            self._link_moved(link, self.link_s)
+        retrial = abs(step_ratio - 1.0) > self.settings.drift_tolerance or link_moved
         self.checks.append({"step": int(step), "step_ratio": step_ratio,
                             "link_ratio": link_ratio, "retrial": retrial})
         return retrial
+
+    def _probe_moved(self, probe, then: Optional[float]) -> tuple[bool, Optional[float]]:
+        """Read the link (``probe``, agreed by the ranks) against ``then``: (moved, the
+        latest reading). A move is read twice: one jittery probe (a rank descheduled, a
+        neighbour's burst) is not a link change, a change that persists is."""
+        if probe is None:
+            return False, None
+        link = probe()
+        if not self._link_moved(link, then):
+            return False, link
+        again = probe()
+        return self._link_moved(again, then) and (again > then) == (link > then), again
 
     def _link_moved(self, now: Optional[float], then: Optional[float]) -> bool:
         """The link probe moved by more than LINK_CHANGE, and by LINK_FLOOR of the kept step."""

@@ -103,6 +103,43 @@ def test_the_kept_plan_is_checked_and_a_drift_either_way_starts_again():
     assert events[3] is Event.RETRIAL
 
 
+def _probed(trials, readings, steps, first=0, step_s=0.010):
+    """Tick ``steps`` steps of ``step_s`` with a link probe that returns ``readings`` in turn."""
+    it = iter(readings)
+    events, now = [], getattr(trials, "fake_clock", 0.0)
+    for step in range(first, first + steps):
+        events.append(trials.tick(step, now, ONE, probe=lambda: next(it)))
+        trials.plan_at(step)
+        now += step_s
+    trials.fake_clock = now
+    return events
+
+
+@pytest.mark.parametrize("readings, retrial", [
+    ((0.050, 0.050), True),  # the link got 5x slower during the round, and stays so
+    ((0.050, 0.010), False),  # one slow probe (a descheduled rank), then the link as before
+    ((0.050, 0.001), False),  # two readings that disagree on the direction: no change
+    ((0.0105,), False),  # within LINK_CHANGE: read once
+])
+def test_a_link_change_during_a_round_reruns_it_only_when_a_second_probe_confirms_it(
+        readings, retrial):
+    t = Trials(TrialSettings(steps=1, settle_steps=0, warmup_steps=0, recheck_every=0))
+    t.begin(0, _records()[:2], link_s=0.010)
+    events = _probed(t, readings, 3)
+    assert events[2] is (Event.RETRIAL if retrial else Event.DECIDED)
+    assert t.link_s == readings[-1]  # the latest reading is the decision's link
+
+
+def test_a_kept_plans_check_confirms_a_link_change_before_starting_again():
+    t = Trials(TrialSettings(steps=1, settle_steps=0, warmup_steps=0, recheck_every=4,
+                             drift_tolerance=0.5))
+    t.begin(0, _records()[:2], link_s=0.010)
+    assert _probed(t, [0.010], 3)[2] is Event.DECIDED  # decided at step 2; checks at 6, 10
+    assert _probed(t, [0.040, 0.011], 4, first=3)[3] is Event.NONE  # a jitter
+    assert _probed(t, [0.040, 0.041], 4, first=7)[3] is Event.RETRIAL  # a change
+    assert [c["retrial"] for c in t.checks] == [False, True]
+
+
 def test_a_checkpoint_taken_mid_round_continues_the_round():
     s = TrialSettings(steps=2, settle_steps=1, warmup_steps=0, recheck_every=0)
     a, b = Trials(s), Trials(s)
