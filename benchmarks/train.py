@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.timetoacc import methods as M  # noqa: E402
 from benchmarks.timetoacc import report  # noqa: E402
-from benchmarks.timetoacc.methods_diloco import DILOCO_METHODS  # noqa: E402
+from benchmarks.timetoacc.methods_diloco import DILOCO_METHODS, handles as is_local  # noqa: E402
 from benchmarks.timetoacc.methods_fsdp import FSDP_METHODS  # noqa: E402
 from benchmarks.timetoacc.workloads import WORKLOADS  # noqa: E402
 
@@ -60,6 +60,15 @@ def horovod_available() -> tuple[bool, str]:
     return (True, "") if version == "0.28.1" else (False, f"Horovod {version} installed, 0.28.1 needed")
 
 
+def steps_of(method: str, workload: str, args) -> int:
+    """A run's steps: the workload's (or ``--steps``), times ``--local-steps`` for the
+    low-communication methods. Local steps change the loss per step (the ranks drift apart
+    between syncs) but cost a fraction of a synchronous step on a slow link: the time to
+    the target, not the loss after DDP's step count, is what a user of them compares."""
+    steps = args.steps or STEPS[workload]
+    return steps * getattr(args, "local_steps", 1) if is_local(method) else steps
+
+
 def plan_runs(args) -> list[dict[str, Any]]:
     """Every run to make: workload, topology, rate, seed, method, steps."""
     runs = []
@@ -74,7 +83,7 @@ def plan_runs(args) -> list[dict[str, Any]]:
                         for m in methods:
                             runs.append({"workload": w, "topology": topology, "rate": rate,
                                          "seed": seed, "round": rnd, "method": m,
-                                         "steps": args.steps or STEPS[w], "kind": kind})
+                                         "steps": steps_of(m, w, args), "kind": kind})
 
     if args.suite:  # the runs behind the targets first: an interrupted suite has them
         # The settings whose speed-ups README claims: 3 seeds, so a ratio has a spread.
@@ -208,6 +217,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat every timed run this many times, methods interleaved")
     p.add_argument("--steps", type=int, default=None, help=f"training steps (default {STEPS})")
+    p.add_argument("--local-steps", type=int, default=3,
+                   help="the low-communication methods (DiLoCo, post-local SGD) train this many "
+                        "times the steps (default 3): their time to the target counts")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--slack", type=float, default=0.02,
                    help="target loss = (1 + slack) x DDP fp32's final validation loss")
@@ -231,6 +243,8 @@ def main(argv=None) -> int:
         p.error("--eval-every must be >= 1")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if args.local_steps < 1:
+        p.error("--local-steps must be >= 1")
 
     from benchmarks.netsim import NetnsUnavailable
     from cgx.console import progress

@@ -84,10 +84,18 @@ def scenario_table(records: list[Record], slack: float) -> tuple[list[str], dict
         lines.append(
             f"| {r['method']} | {r['samples_per_s']:.0f} | {split} | "
             f"{link} / {r['accounted_bytes_per_step'] / 1e6:.2f} | {r['peak_rss_bytes'] / 2**20:.0f} | "
-            f"{final['loss']:.4f} | {_f(final['accuracy'] and 100 * final['accuracy'], '.1f')} | "
+            f"{final['loss']:.4f}{_steps_note(r, records)} | "
+            f"{_f(final['accuracy'] and 100 * final['accuracy'], '.1f')} | "
             f"{_f(t, '.1f', 'not reached')}{' s' if t is not None else ''}"
             f"{f' ({steps} steps)' if steps is not None else ''} | {speed} |")
     return lines, {"target_loss": target, "time_to_target_s": reached}
+
+
+def _steps_note(r: Record, records: list[Record]) -> str:
+    """`` (after N steps)`` when ``r`` trained other steps than DDP fp32 (local steps)."""
+    base = next((b for b in records if b["method"] == BASELINE and "curve" in b), None)
+    last = r["curve"][-1]["step"]
+    return f" (after {last} steps)" if base and base["curve"][-1]["step"] != last else ""
 
 
 def verdict(ratios: list[float]) -> str:
