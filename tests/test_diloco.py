@@ -158,32 +158,3 @@ def test_benchmark_method_names():
         with pytest.raises(ValueError, match="unknown method"):
             methods.check(bad)
 
-
-def test_benchmark_gives_local_methods_more_steps():
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks import train
-    from benchmarks.timetoacc import report
-
-    def planned(*argv):
-        import argparse
-        args = argparse.Namespace(suite=False, study=False, workloads=("cnn", "lm"), topology="2",
-                                  rates=("100mbit",), seeds=(0,), rounds=1, steps=None,
-                                  methods=argv, local_steps=3)
-        return {(r["workload"], r["method"]): r["steps"] for r in train.plan_runs(args)}
-
-    steps = planned("ddp-fp32", "cgx-4bit", "cgx-diloco-h50", "torch-postlocal-sgd")
-    assert steps == {("cnn", "ddp-fp32"): 100, ("cnn", "cgx-4bit"): 100,
-                     ("cnn", "cgx-diloco-h50"): 300, ("cnn", "torch-postlocal-sgd"): 300,
-                     ("lm", "ddp-fp32"): 200, ("lm", "cgx-4bit"): 200,
-                     ("lm", "cgx-diloco-h50"): 600, ("lm", "torch-postlocal-sgd"): 600}
-    # the table says after how many steps a local method's final loss was read
-    curve = lambda last: [{"step": 0, "loss": 2.0, "train_s": 0.0, "accuracy": None},  # noqa
-                          {"step": last, "loss": 1.0, "train_s": 1.0, "accuracy": None}]
-    rec = dict(samples_per_s=1.0, step_s=1.0, compute_s=1.0, compression_s=0.0,
-               link_bytes_per_step=1.0, accounted_bytes_per_step=1.0, peak_rss_bytes=1.0)
-    lines, _ = report.scenario_table([{**rec, "method": "ddp-fp32", "curve": curve(100)},
-                                      {**rec, "method": "cgx-diloco-h50", "curve": curve(300)}],
-                                     0.02)
-    assert "1.0000 (after 300 steps)" in lines[-1] and "after" not in lines[-2]

@@ -24,7 +24,8 @@ def setting(r: Record) -> tuple:
 
 def setting_title(key: tuple) -> str:
     workload, topology, rate = key
-    link = "unshaped" if rate == "none" else rate.replace("gbit", " Gbit/s")
+    link = "unshaped" if rate == "none" else rate.replace("gbit", " Gbit/s").replace(
+        "mbit", " Mbit/s")
     ranks = "2 hosts x 2 ranks" if topology == "2x2" else f"{topology} ranks"
     return f"{workload}, {ranks}, {link}"
 
