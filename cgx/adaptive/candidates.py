@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from typing import Sequence
 
@@ -63,18 +64,7 @@ class Candidate:
     def wire_bytes(self, shape) -> int:
         """Bytes of this layer's compressed payload (float32 gradients): the compressor's
         own formula. ``shape`` may be a value count for the families that need no shape."""
-        numel = shape if isinstance(shape, int) else math.prod(shape)
-        if self.family is Family.EXACT:
-            return 4 * numel
-        if self.family is Family.QUANTIZE:
-            return QuantSpec(self.bits, self.bucket_size).nbytes(numel)
-        if self.family is Family.TOPK:
-            from cgx.compression.topk import TopKCompressor
-            return TopKCompressor(self.density).payload_nbytes(numel)
-        if isinstance(shape, int):
-            raise ValueError("a PowerSGD candidate's size needs the tensor's shape")
-        from cgx.compression.powersgd import PowerSGDCompressor
-        return 4 * PowerSGDCompressor(self.rank, min_compression_rate=0.0).payload_numel(shape)
+        return _wire_bytes(self, shape if isinstance(shape, int) else tuple(int(d) for d in shape))
 
     def traffic(self, shape, world: int) -> float:
         """Bytes one rank sends per step with ``world`` ranks (at least 2 assumed)."""
@@ -157,3 +147,22 @@ def candidates_for(shape: Sequence[int], families: Sequence[Family],
             if int(r) <= min(n, m) and int(r) * (n + m) < n * m:
                 out.append(Candidate(Family.POWERSGD, rank=int(r)))
     return out
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _wire_bytes(c: Candidate, shape) -> int:
+    """:meth:`Candidate.wire_bytes`, remembered: a decision asks it for every layer and
+    candidate of every plan, and the answer never changes."""
+    numel = shape if isinstance(shape, int) else math.prod(shape)
+    if c.family is Family.EXACT:
+        return 4 * numel
+    if c.family is Family.QUANTIZE:
+        return QuantSpec(c.bits, c.bucket_size).nbytes(numel)
+    if c.family is Family.TOPK:
+        from cgx.compression.topk import TopKCompressor
+        return TopKCompressor(c.density).payload_nbytes(numel)
+    if isinstance(shape, int):
+        raise ValueError("a PowerSGD candidate's size needs the tensor's shape")
+    from cgx.compression.powersgd import PowerSGDCompressor
+    return 4 * PowerSGDCompressor(c.rank, min_compression_rate=0.0).payload_numel(shape)
+

@@ -30,6 +30,7 @@ from cgx.compression.auto import AutoCompression
 from cgx.config import Config, Rounding
 
 STATE_FORMAT = 2  # 1: the window's summed gradients instead of its measurements
+EXACT = Candidate(Family.EXACT)
 
 
 class AdaptiveSchedule:
@@ -76,6 +77,9 @@ class AdaptiveSchedule:
                     cands.append(ref)
             self.reference.append(ref)
         self.plan: list[Optional[Candidate]] = list(self.reference)
+        # per layer, each candidate's index in its list (None: not planned)
+        self._position = [None if cands is None else {c: j for j, c in enumerate(cands)}
+                          for cands in self.candidates]
         self.next_plan = settings.warmup_steps + settings.window
         self.plans_made = 0
         self.hidden: set = set()  # layers the planner keeps exact (compressing saves no time)
@@ -88,6 +92,7 @@ class AdaptiveSchedule:
         self._errors: Optional[dict] = None  # layer index -> (combined errors, costs)
         self.budget = 0.0
         self.world = 2  # ranks of the last plan (the candidates' traffic)
+        self._traffic: dict[int, list] = {}  # ranks -> per layer, each candidate's traffic
 
     # -- what travels now ------------------------------------------------------------
 
@@ -211,16 +216,27 @@ class AdaptiveSchedule:
     def _solution(self, layers: list, errors: list, world: int, hidden) -> tuple:
         """``(choice per layer, budget, costs)``: the fewest bytes within the budget, the
         layers named in ``hidden`` exact."""
-        costs = [[c.traffic(self.shapes[i], world) for c in self.candidates[i]] for i in layers]
-        ref = [self.candidates[i].index(self.reference[i]) for i in layers]
+        table = self.traffic_table(world)
+        costs = [table[i] for i in layers]
+        ref = [self._position[i][self.reference[i]] for i in layers]
         budget = self.settings.alpha * sum(e[j] for e, j in zip(errors, ref))
         exact = Candidate(Family.EXACT)
         for k, i in enumerate(layers):
             if self.names[i] in hidden:  # only exact is offered, and it costs nothing
-                j = self.candidates[i].index(exact)
+                j = self._position[i][exact]
                 costs[k] = [0.0 if jj == j else math.inf for jj in range(len(costs[k]))]
         solution = solve(costs, errors, budget, reference=None if hidden else ref)
         return solution.choice, budget, costs
+
+    def traffic_table(self, world: int) -> list:
+        """Per layer (None: not planned), the bytes each candidate sends per step with
+        ``world`` ranks: computed once per world size, read by every decision."""
+        table = self._traffic.get(world)
+        if table is None:
+            table = self._traffic[world] = [
+                None if cands is None else [c.traffic(s, world) for c in cands]
+                for s, cands in zip(self.shapes, self.candidates)]
+        return table
 
     def alternative(self, hidden: Sequence[int], base: Optional[Sequence] = None) -> list:
         """The plan the last window's measurements give with the gradients ``hidden`` kept
@@ -242,9 +258,9 @@ class AdaptiveSchedule:
         measured layers: what the error budget bounds."""
         total = 0.0
         for i, (errs, _) in (self._errors or {}).items():
-            c = plan[i] if plan[i] is not None else Candidate(Family.EXACT)
-            if c in self.candidates[i]:
-                total += errs[self.candidates[i].index(c)]
+            j = self._position[i].get(plan[i] if plan[i] is not None else EXACT)
+            if j is not None:
+                total += errs[j]
         return total
 
     def _clear_window(self) -> None:
@@ -267,7 +283,7 @@ class AdaptiveSchedule:
                    "error": 0.0, "share": 0.0}
             if c is not None and self._errors is not None and i in self._errors:
                 errs, _ = self._errors[i]
-                row["error"] = errs[self.candidates[i].index(c)]
+                row["error"] = errs[self._position[i][c]]
                 row["share"] = row["error"] / self.budget if self.budget > 0 else 0.0
             out.append(row)
         return out
