@@ -218,8 +218,8 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
         import cgx.torch as hvd
         hvd.init()
         # -sfb: the fully connected layers' weight gradients travel as sufficient factors;
-        # planned: each tensor exact or 4-bit as cgx.planner predicts is fastest (it traces
-        # the first 5 steps: use --warmup >= 6 to time the planned exchange only)
+        # planned: each tensor exact or 4-bit as cgx.planner predicts is fastest, confirmed
+        # by trials (traced 5 steps, then tried: timed once the trials kept a plan)
         extra = {"compression": hvd.Compression.planned()} if method.startswith("cgx-planned") \
             else {"compression": hvd.Compression.auto(**DECIDE)} if method == "cgx-decide" \
             else {"compression": hvd.Compression.quantize(bits=8)} if method.endswith("-8bit") \
@@ -234,8 +234,9 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
 
     if method == "cgx-ddp-hook":  # the hook's own reducer (and transport) counts
         hvd = types.SimpleNamespace(stats=lambda: state.reducer().snapshot())
+    # the deciding exchange and the planned mode decide by trials: time what they keep
     deciding = _until_decided(step, lambda: bool(opt.exchange_trials())) \
-        if method == "cgx-decide" else None
+        if method == "cgx-decide" or method.startswith("cgx-planned") else None
     times, wire, link = _timed(step, warmup, steps, hvd)
     params = sum(p.numel() for p in model.parameters())
     if wire is None:  # ring allreduce of the gradients (DDP) or of their compressed form

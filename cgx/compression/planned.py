@@ -35,13 +35,22 @@ class PlannedCompression(Policy):
             again and the plan remade. A ratio the model keeps missing after a re-plan is
             taken as its bias: from then on only a change of the ratio triggers a re-plan.
         drift_tolerance: relative drift that triggers a re-plan (default 0.25).
+        trials: after each plan, let the step clock decide (:mod:`cgx.deciding.planned`):
+            all exact (fused), all at the fixed level and the planner's plan each run
+            ``trial_steps`` measured steps (after ``trial_warmup_steps``), the ranks agree
+            on the times, the fastest is kept. The kept plan is then checked every
+            ``replan_every`` steps: a step off its trial by more than ``drift_tolerance``,
+            or a link probe that moved, re-plans and tries again. False: the planner's
+            plan travels as predicted, checked against its prediction.
+        trial_steps, trial_warmup_steps: see ``trials``.
     """
 
     name = "planned"
 
     def __init__(self, bits: int = 4, bucket_size: int = 1024, calibrate_steps: int = 5,
                  assume_gbit: Optional[float] = None, error_feedback: bool = False,
-                 replan_every: int = 50, drift_tolerance: float = 0.25):
+                 replan_every: int = 50, drift_tolerance: float = 0.25, trials: bool = True,
+                 trial_steps: int = 3, trial_warmup_steps: int = 3):
         from cgx.config import validate_bits, validate_bucket_size
         self.bits = validate_bits(bits, "Compression.planned bits")
         if self.bits > 8:
@@ -68,9 +77,15 @@ class PlannedCompression(Policy):
         self.drift_tolerance = float(drift_tolerance)
         self.assume_gbit = None if assume_gbit is None else float(assume_gbit)
         self.error_feedback = error_feedback
+        if not isinstance(trials, bool):
+            raise TypeError(f"trials must be True or False, got {trials!r}")
+        from cgx.compression.trials import TrialSettings
+        self.trials = TrialSettings(steps=trial_steps, warmup_steps=trial_warmup_steps,
+                                    recheck_every=replan_every,
+                                    drift_tolerance=self.drift_tolerance) if trials else None
 
     def __repr__(self) -> str:
         return (f"PlannedCompression(bits={self.bits}, bucket_size={self.bucket_size}, "
                 f"calibrate_steps={self.calibrate_steps}, assume_gbit={self.assume_gbit}, "
                 f"error_feedback={self.error_feedback}, replan_every={self.replan_every}, "
-                f"drift_tolerance={self.drift_tolerance})")
+                f"drift_tolerance={self.drift_tolerance}, trials={self.trials})")

@@ -21,7 +21,8 @@ class TrialSettings:
         warmup_steps: steps between a round's setup (the planner's measurements) and the
             first plan's turn, the plan in use travelling on (>= 0): the setup's
             transient (allocations, busy threads) stays out of the first plan's times.
-        recheck_every: steps between checks of the kept plan (0: never re-tried).
+        recheck_every: steps between checks of the kept plan (0: never re-tried, not
+            even when the link moved while the plans took turns).
         drift_tolerance: relative change of the kept plan's step that starts a new round.
         tie_tolerance: plans within this fraction of the fastest count as equally fast;
             the one that sends fewest bytes is kept.

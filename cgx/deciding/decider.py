@@ -1,12 +1,14 @@
-"""The deciding exchange: the model proposes, trials measure, the fastest plan within the
-error budget travels (``Compression.auto(objective="time")``).
+"""Which whole-exchange plan travels, decided by trials: the model proposes, the step clock
+decides (``Compression.auto(objective="time")`` and ``Compression.planned()``).
 
-:class:`Decider` sits beside auto's :class:`cgx.adaptive.AdaptiveSchedule` (the errors) and
-the planner's :class:`cgx.planner.schedule.PlannedSchedule` (the simulated step). After each
-of auto's plans it asks both for proposals (:mod:`cgx.deciding.proposals`), starts a round
-of trials (:mod:`cgx.deciding.trials`) and, at every step, says which plan travels. When the
-kept plan's measured step drifts, the planner measures the link again and a new round
-starts from the same errors.
+:class:`TrialDecider` runs the rounds for any source of proposals: it starts a round from
+the proposals, says at every step which plan travels, reports the decision, and when the
+kept plan's measured step or the link drifts, has the planner measure the link again and
+starts a new round. :class:`Decider` is auto's: it sits beside
+:class:`cgx.adaptive.AdaptiveSchedule` (the errors) and the planner's
+:class:`cgx.planner.schedule.PlannedSchedule` (the simulated step) and asks both for
+proposals (:mod:`cgx.deciding.proposals`) after each of auto's plans.
+:class:`cgx.deciding.planned.PlannedDecider` is the planned mode's (time only).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import time
 from typing import Optional
 
 from cgx.compression.auto import AutoCompression
+from cgx.compression.trials import TrialSettings
 from cgx.planner.calibration import link_probe
-from cgx.deciding.proposals import (error_budget, plan_from_lists, plan_to_lists, propose,
-                                    select)
+from cgx.deciding.proposals import (Proposal, error_budget, plan_from_lists, plan_to_lists,
+                                    propose, select)
 from cgx.deciding.trials import Event, Phase, Trials, agree_max, format_trials
 
 STATE_FORMAT = 1
@@ -29,44 +32,46 @@ def _mark(timeline, name: str, args: dict) -> None:
         timeline.instant(name, row="decider", args=args)
 
 
-class Decider:
-    """Which whole-exchange plan travels at each step, decided by trials.
+class TrialDecider:
+    """Rounds of trials over the plans a subclass proposes (:meth:`proposals`).
 
     Args:
-        adaptive: auto's schedule (errors per layer and candidate, the budget).
-        planned: the planner's schedule (ready times, link and quantizer model).
-        settings: the ``Compression.auto(objective="time", ...)`` settings.
+        planned: the planner's schedule (it re-measures the link before a new round).
+        settings: how long plans are tried and how the kept one is watched.
     """
 
-    def __init__(self, adaptive, planned, settings: AutoCompression):
-        self.adaptive, self.planned, self.settings = adaptive, planned, settings
-        self.trials = Trials(settings.trials)
+    def __init__(self, planned, settings: TrialSettings):
+        self.planned = planned
+        self.trials = Trials(settings)
         self.plans: list[list] = []  # per record of the round, its plan
-        self.fewest: list = list(adaptive.plan)  # auto's fewest-bytes plan of its last errors
 
-    def replanned(self, step: int, transport, verbose: bool = False, timeline=None,
-                  since: Optional[float] = None) -> None:
-        """Auto and the planner just re-planned (every rank, same step; ``since``: when they
-        started): auto's plan is the fewest-bytes one of the new errors; a new round."""
-        self.fewest = list(self.adaptive.plan)
-        self.propose(step, transport, verbose, timeline, since)
+    # -- what a subclass provides ---------------------------------------------------------
+    def proposals(self, transport) -> tuple[list[Proposal], float]:
+        """The round's plans, likely fastest first, and the error budget they were held to."""
+        raise NotImplementedError
 
+    def plan_state(self, plan: list):
+        """A plan as plain values (checkpoints)."""
+        return list(plan)
+
+    def plan_from_state(self, saved) -> list:
+        return list(saved)
+
+    # -- the rounds -------------------------------------------------------------------------
     def propose(self, step: int, transport, verbose: bool = False, timeline=None,
                 since: Optional[float] = None) -> None:
-        """A new round from the latest errors and the planner's latest plan (``since``: when
-        the planner started, for the round's setup time)."""
+        """A new round from the latest proposals (``since``: when the planner started, for
+        the round's setup time)."""
         since = time.perf_counter() if since is None else since
-        proposals = propose(self.adaptive, self.planned, self.fewest, transport.size,
-                            self.planned.family)
-        chosen = select(proposals, self.settings.model_plans, self.trials.predicted)
+        chosen, budget = self.proposals(transport)
         self.plans = [p.plan for p in chosen]
-        self.trials.begin(step, [p.record for p in chosen], error_budget(self.adaptive),
+        self.trials.begin(step, [p.record for p in chosen], budget,
                           link_probe(transport, reps=3),
                           agree_max([time.perf_counter() - since], transport)[0])
         _mark(timeline, "trials", {"step": step, "plans": [p.record.label for p in chosen]})
         if verbose and transport.rank == 0:
             print(f"cgx: step {step}: trying {len(chosen)} exchange plans for "
-                  f"{self.settings.trials.steps} steps each: "
+                  f"{self.trials.settings.steps} steps each: "
                   + ", ".join(p.record.label for p in chosen), file=sys.stderr, flush=True)
 
     def tick(self, step: int, transport, verbose: bool = False, timeline=None) -> None:
@@ -85,8 +90,8 @@ class Decider:
             self.propose(step, transport, verbose, timeline, since)
 
     def plan_now(self, step: int, timeline=None) -> Optional[list]:
-        """The plan that travels at ``step`` (None: no round yet, auto's own); a plan's first
-        step of its turn is marked on the timeline."""
+        """The plan that travels at ``step`` (None: no round yet, the mode's own); a plan's
+        first step of its turn is marked on the timeline."""
         k = self.trials.plan_at(step)
         if self.trials.phase is Phase.TRIAL and step == self.trials.turn_start:
             _mark(timeline, "trial", {"step": step, "plan": self.trials.records[k].label})
@@ -110,16 +115,53 @@ class Decider:
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        names = self.adaptive.names
         return {"format": STATE_FORMAT, "trials": self.trials.state_dict(),
-                "plans": [plan_to_lists(p, names) for p in self.plans],
-                "fewest": plan_to_lists(self.fewest, names)}
+                "plans": [self.plan_state(p) for p in self.plans]}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError(f"expected a decider state of format {STATE_FORMAT} (from "
                              "state_dict())")
         self.trials.load_state_dict(state["trials"])
-        names = self.adaptive.names
-        self.plans = [plan_from_lists(p, names) for p in state["plans"]]
-        self.fewest = plan_from_lists(state["fewest"], names)
+        self.plans = [self.plan_from_state(p) for p in state["plans"]]
+
+
+class Decider(TrialDecider):
+    """Auto's decider: which of the plans auto and the planner propose travels.
+
+    Args:
+        adaptive: auto's schedule (errors per layer and candidate, the budget).
+        planned: the planner's schedule (ready times, link and quantizer model).
+        settings: the ``Compression.auto(objective="time", ...)`` settings.
+    """
+
+    def __init__(self, adaptive, planned, settings: AutoCompression):
+        super().__init__(planned, settings.trials)
+        self.adaptive, self.settings = adaptive, settings
+        self.fewest: list = list(adaptive.plan)  # auto's fewest-bytes plan of its last errors
+
+    def replanned(self, step: int, transport, verbose: bool = False, timeline=None,
+                  since: Optional[float] = None) -> None:
+        """Auto and the planner just re-planned (every rank, same step; ``since``: when they
+        started): auto's plan is the fewest-bytes one of the new errors; a new round."""
+        self.fewest = list(self.adaptive.plan)
+        self.propose(step, transport, verbose, timeline, since)
+
+    def proposals(self, transport) -> tuple[list[Proposal], float]:
+        proposals = propose(self.adaptive, self.planned, self.fewest, transport.size,
+                            self.planned.family)
+        return (select(proposals, self.settings.model_plans, self.trials.predicted),
+                error_budget(self.adaptive))
+
+    def plan_state(self, plan: list):
+        return plan_to_lists(plan, self.adaptive.names)
+
+    def plan_from_state(self, saved) -> list:
+        return plan_from_lists(saved, self.adaptive.names)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "fewest": self.plan_state(self.fewest)}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.fewest = self.plan_from_state(state["fewest"])

@@ -165,6 +165,8 @@ class Trials:
                 self.current, self.turn_start = self.current + 1, int(step)
             if self.current == len(self.records):
                 self._decide(step)
+                if not self.settings.recheck_every:  # never re-tried: no probe either
+                    return Event.DECIDED
                 # the link changed while the plans took turns: their times do not compare
                 moved, self.link_s = self._probe_moved(probe, self.round_link)
                 return Event.RETRIAL if moved else Event.DECIDED

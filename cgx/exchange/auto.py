@@ -36,7 +36,7 @@ def _planner_for(adaptive: AdaptiveSchedule, comp, names, shapes, base):
     return PlannedSchedule(
         names, shapes, [QuantSpec(bits, bucket) if c is not None else None
                         for c in adaptive.candidates],
-        PlannedCompression(bits=bits, bucket_size=bucket, calibrate_steps=2,
+        PlannedCompression(bits=bits, bucket_size=bucket, calibrate_steps=2, trials=False,
                            assume_gbit=comp.assume_gbit, replan_every=0),
         base.inner_reduction, base.fusion_buffer_mb)
 

@@ -202,33 +202,60 @@ class PerTensor(Mode):
 
 
 class Planned(Mode):
-    """Traced first, then each tensor exact or quantized as the planner decides."""
+    """Traced first, then each tensor exact or quantized as the planner decides; with
+    trials (the default), the planner's plan, all exact and all quantized take turns and
+    the fastest measured travels (:mod:`cgx.deciding.planned`)."""
 
     kind = GradMode.PLANNED
 
     def __init__(self, cfg: Settings, compression, planned):
         super().__init__(cfg, compression)
+        from cgx.deciding.planned import PlannedDecider
         self.planned = planned  # cgx.planner.schedule.PlannedSchedule
+        trials = getattr(compression, "trials", None)
+        self.decider = PlannedDecider(planned, trials) if trials is not None else None
         self.last_step: Optional[int] = None
+        self._chosen: Optional[list] = None  # the trial's or kept plan (None: the planner's)
 
     def begin_step(self, step: int, red) -> None:
-        if step != self.last_step:
-            self.last_step = step
-            self.planned.begin_step(step, red.transport, red.config.verbose, red.timeline)
+        if step == self.last_step:
+            return
+        self.last_step = step
+        t, verbose, timeline = red.transport, red.config.verbose, red.timeline
+        if self.decider is None:
+            self.planned.begin_step(step, t, verbose, timeline)
+            return
+        self.decider.tick(step, t, verbose, timeline)  # a re-trial re-plans first
+        before = self.planned.planned_at
+        self.planned.begin_step(step, t, verbose, timeline, check_drift=False)
+        if self.planned.planned_at == step and before != step:  # a new plan: try it
+            self.decider.propose(step, t, verbose, timeline)
+        self._chosen = self.decider.plan_now(step, timeline)
 
     def specs_now(self, specs: list) -> list:
-        return self.planned.specs()
+        if self._chosen is None:
+            return self.planned.specs()
+        return [s if c else None for s, c in zip(self.planned.eligible, self._chosen)]
 
     def reduce(self, red, call: Call) -> None:
         self.begin_step(call.step, red)
-        planned = self.planned.specs()
-        reduce_fused(self.cfg, red, call, [planned[i] for i in call.idx])
+        now = self.specs_now(call.specs)
+        reduce_fused(self.cfg, red, call, [now[i] for i in call.idx])
         if not call.shadow:
             self.planned.note_reduced(call.step)
 
     def state_dict(self) -> dict:
-        return {"planned": self.planned.state_dict()}
+        state = {"planned": self.planned.state_dict()}
+        if self.decider is not None:
+            state["decider"] = self.decider.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        if "planned" in state:
-            self.planned.load_state_dict(state["planned"])
+        if "planned" not in state:
+            return
+        same = state["planned"].get("names") == self.planned.names
+        self.planned.load_state_dict(state["planned"])
+        # the trials of other gradients (parameters frozen or added since) do not apply:
+        # this set is traced and planned again, then tried
+        if self.decider is not None and "decider" in state and same:
+            self.decider.load_state_dict(state["decider"])

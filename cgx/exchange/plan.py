@@ -174,7 +174,8 @@ class GradientPlan:
 
     @property
     def decider(self):
-        """AUTO with ``objective="time"``: the trials' :class:`cgx.deciding.Decider`; else None."""
+        """AUTO with ``objective="time"`` and PLANNED with trials: the trials'
+        :class:`cgx.deciding.TrialDecider`; else None."""
         return getattr(self.reduction, "decider", None)
 
     def reduce(self, grads: list, *, name: str, step: Optional[int] = None,

@@ -126,9 +126,11 @@ class PlannedSchedule:
         """A reduction of ``step`` finished (engine thread)."""
         self._end = (step, time.perf_counter())
 
-    def begin_step(self, step: int, transport, verbose: bool = False, timeline=None) -> None:
-        """The first reduction of ``step`` on every rank: plan when due, check for drift.
-        Plans and checks are also marked on ``timeline`` (``cgx.timeline``) when given."""
+    def begin_step(self, step: int, transport, verbose: bool = False, timeline=None,
+                   check_drift: bool = True) -> None:
+        """The first reduction of ``step`` on every rank: plan when due, check for drift
+        (``check_drift``: False when trials watch the kept plan instead). Plans and checks
+        are also marked on ``timeline`` (``cgx.timeline``) when given."""
         if self._trace_from is None:
             self._trace_from = step
         if self._end is not None and self.planned_at is not None:
@@ -140,7 +142,7 @@ class PlannedSchedule:
                 self._measured.append(end - start)
         if self.due(step):
             self.replan(transport, verbose, step=step, timeline=timeline)
-        elif (self.plan is not None and self.planned_at is not None
+        elif (check_drift and self.plan is not None and self.planned_at is not None
               and self.settings.replan_every
               and (step - self.planned_at) % self.settings.replan_every == 0):
             self.check_drift(step, transport, verbose, timeline)

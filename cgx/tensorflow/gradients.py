@@ -169,8 +169,8 @@ class GradientExchange:
             return [row for plan in self._plans.values() for row in plan.compression_plan()]
 
     def exchange_trials(self) -> list[dict]:
-        """``Compression.auto(objective="time")``: the rounds of trials of every plan (see
-        :meth:`cgx.deciding.Decider.rounds`)."""
+        """``Compression.auto(objective="time")`` and ``Compression.planned()``: the rounds
+        of trials of every plan (see :meth:`cgx.deciding.TrialDecider.rounds`)."""
         with self._lock:
             return [r for plan in self._plans.values() if plan.decider is not None
                     for r in plan.decider.rounds()]

@@ -29,19 +29,21 @@ class PlanViews:
         return planned.plan if planned is not None else None
 
     def exchange_checks(self) -> list:
-        """With ``Compression.planned(...)``: every drift check so far, as
+        """With ``Compression.planned(trials=False)``: every drift check so far, as
         :class:`cgx.planner.schedule.DriftCheck` (step, predicted and measured step time,
-        whether it re-planned). With ``Compression.auto(objective="time")``: every check of
-        a kept plan (step, its step and the link against the decision's, whether a new
-        round started). Empty in other modes."""
+        whether it re-planned). With trials (``Compression.planned()``,
+        ``Compression.auto(objective="time")``): every check of a kept plan (step, its
+        step and the link against the decision's, whether a new round started). Empty in
+        other modes."""
         plan = self.gradient_plan()
         if plan.decider is not None:
             return [dict(c) for c in plan.decider.trials.checks]
         return list(plan.planned.checks) if plan.planned is not None else []
 
     def exchange_trials(self) -> list[dict]:
-        """With ``Compression.auto(objective="time")``: every round of trials so far (see
-        :meth:`cgx.deciding.Decider.rounds`: the plans tried, measured and predicted step,
-        bytes, error, the budget, the plan kept); empty in other modes."""
+        """With ``Compression.auto(objective="time")`` or ``Compression.planned()``: every
+        round of trials so far (see :meth:`cgx.deciding.TrialDecider.rounds`: the plans
+        tried, measured and predicted step, bytes, error, the budget, the plan kept); empty
+        in other modes."""
         decider = self.gradient_plan().decider
         return decider.rounds() if decider is not None else []

@@ -123,7 +123,7 @@ def _probed(trials, readings, steps, first=0, step_s=0.010):
 ])
 def test_a_link_change_during_a_round_reruns_it_only_when_a_second_probe_confirms_it(
         readings, retrial):
-    t = Trials(TrialSettings(steps=1, settle_steps=0, warmup_steps=0, recheck_every=0))
+    t = Trials(TrialSettings(steps=1, settle_steps=0, warmup_steps=0, recheck_every=100))
     t.begin(0, _records()[:2], link_s=0.010)
     events = _probed(t, readings, 3)
     assert events[2] is (Event.RETRIAL if retrial else Event.DECIDED)
@@ -186,3 +186,9 @@ def test_the_environment_selects_the_deciding_exchange():
     assert plain.decider is None  # bytes, the default objective
     with pytest.raises(ConfigError, match="CGX_AUTO_OBJECTIVE"):
         Config.from_env({"CGX_AUTO_OBJECTIVE": "fast"})
+
+
+def test_a_round_that_is_never_re_tried_reads_no_link_at_its_end():
+    t = Trials(TrialSettings(steps=1, settle_steps=0, warmup_steps=0, recheck_every=0))
+    t.begin(0, _records()[:2], link_s=0.010)
+    assert _probed(t, [], 3)[2] is Event.DECIDED  # no probe taken (none to give)

@@ -105,7 +105,9 @@ def _quantizer_bound(local: list, out: torch.Tensor, bits: int) -> float:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 3])
 def test_fast_link_keeps_everything_exact_and_matches_the_exact_exchange(world):
-    ranks = run_gloo(_grads_as_planned, world, {"calibrate_steps": 2, "assume_gbit": 1e6})
+    # the planner's plan itself, without trials (tests/deciding/test_planned_trials.py)
+    ranks = run_gloo(_grads_as_planned, world, {"calibrate_steps": 2, "assume_gbit": 1e6,
+                                                 "trials": False})
     assert set(ranks[0]["chosen"]) == {"exact"}
     levels = [s["levels"] for s in ranks[0]["steps"]]
     # Steps 0-1 trace with the uniform 4-bit exchange (biases exact by the rules); from
@@ -136,7 +138,8 @@ def _resumable(rank, world, steps, saved=None):
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
         compression=hvd.Compression.planned(calibrate_steps=2, replan_every=2,
-                                            drift_tolerance=1e-9, assume_gbit=0.001))
+                                            drift_tolerance=1e-9, assume_gbit=0.001,
+                                            trials=False))
     start, plan_on_load = 0, None
     if saved is not None:
         saved = saved[rank]
@@ -196,7 +199,7 @@ def _train_checked(rank, world, tolerance, trace=None):
         hvd.start_timeline(trace)
     model = _model()
     comp = hvd.Compression.planned(calibrate_steps=2, replan_every=2, drift_tolerance=tolerance,
-                                   assume_gbit=0.001)
+                                   assume_gbit=0.001, trials=False)  # the planner's own checks
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    named_parameters=model.named_parameters(), compression=comp)
     g = torch.Generator().manual_seed(rank)
@@ -255,6 +258,10 @@ def test_settings_are_checked():
         Compression.planned(replan_every=-1)
     with pytest.raises(ValueError, match="drift_tolerance"):
         Compression.planned(drift_tolerance=0)
+    with pytest.raises(ValueError, match="trial_steps=0 must be an int >= 1"):
+        Compression.planned(trial_steps=0)
+    with pytest.raises(TypeError, match="trials must be True or False"):
+        Compression.planned(trials="yes")
     from cgx.compression import as_compressor
     with pytest.raises(ValueError, match="inside the gradient exchange of DistributedOptimizer"):
         as_compressor(Compression.planned())  # a policy: one collective cannot carry it out
