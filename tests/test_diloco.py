@@ -135,6 +135,8 @@ def test_auto_takes_the_smallest_h_whose_exchange_hides():
     assert choose_sync_every([0.3, 0.3, 0.3], step_s=0.1, fragments=3) == 9
     assert choose_sync_every([0.001], step_s=0.1, fragments=4, delay=2) == 4  # >= K, delay+1
     assert choose_sync_every([1e3], step_s=0.01) == 1000  # capped
+    assert choose_sync_every([0.5], step_s=0.1, min_sync_every=50) == 50  # an outer optimizer's
+    assert choose_sync_every([9.0], step_s=0.1, min_sync_every=50) == 90
     # A slower link, or faster steps, need a longer round.
     model = CostModel.uniform(2, 0.1)
     n = [3_000_000]

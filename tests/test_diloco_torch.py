@@ -245,7 +245,7 @@ def test_ranks_with_different_rounds_fail_with_a_mismatch(two):
 
 def test_auto_chooses_the_same_h_on_every_rank_and_trains_on(two):
     (h0, c0, p0), (h1, c1, p1) = (r["auto"] for r in two[1])
-    assert h0 == h1 == c0.sync_every and h0 >= 1
+    assert h0 == h1 == c0.sync_every and h0 >= 50  # an outer optimizer: at least 50
     assert c0.step_s == c1.step_s  # the slowest rank's, agreed
     assert torch.equal(p0[2], p1[2])  # the calibration round synced at step 3
 

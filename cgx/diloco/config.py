@@ -69,7 +69,7 @@ class DiLoCoConfig:
         sync_every: H, inner steps per round (each fragment syncs once a round), or
             ``"auto"``: the smallest H whose exchange hides behind H inner steps, chosen
             after ``calibrate_steps`` local steps from the measured step time and link
-            (``cgx.diloco.auto``).
+            (``cgx.diloco.auto``); with an outer optimizer at least 50.
         fragments: K, parameter groups synced at staggered steps (1: the whole model at
             once, DiLoCo); at most H and at most the number of parameters.
         delay: inner steps a fragment's exchange overlaps before its result lands (0: the
