@@ -243,8 +243,9 @@ class DistributedOptimizer(DelegatesToInner, keras.optimizers.Optimizer):
         return self._exchange.compression_plan()
 
     def exchange_trials(self) -> list[dict]:
-        """``Compression.auto(objective="time")``: every round of trials so far (the plans
-        tried, their measured and predicted step, bytes and error, the plan kept)."""
+        """``Compression.auto(objective="time")`` and ``Compression.planned()``: every round
+        of trials so far (the plans tried, their measured and predicted step, bytes and
+        error, the plan kept)."""
         return self._exchange.exchange_trials()
 
     def replan(self) -> None:
