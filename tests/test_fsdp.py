@@ -180,6 +180,51 @@ def test_quantized_trains_like_exact_with_residuals_and_8bit_params():
     assert torch.equal(outs[0]["exact"]["seen"], outs[1]["exact"]["seen"])
 
 
+# -- compression="auto": a level per parameter group ----------------------------------------
+
+def _auto(rank, world, steps):
+    import cgx.torch as hvd
+    hvd.init()
+    C = hvd.Compression
+    comp = C.auto(window=3, bits=(2, 3, 4, 8), bucket_sizes=(16, 64, 1024), error_feedback=True)
+    loose = C.auto(alpha=3.0, window=3, bits=(2, 3, 4, 8), bucket_sizes=(16, 64, 1024),
+                   error_feedback=True)
+    out = {}
+    for label, c in (("exact", C.exact), ("auto", comp), ("auto x3", loose)):
+        before = hvd.stats().wire_bytes
+        model, state, losses = _train_lm(rank, c, steps)
+        out[label] = {"losses": losses, "bytes": hvd.stats().wire_bytes - before,
+                      "seen": model[1].seen, "plan": state.compression_plan()}
+        if label == "auto":  # a checkpoint carries the plan
+            fresh = type(state)(state.levels, None, None, state.seed,
+                                type(state.auto)(comp, state.auto.config, True))
+            fresh.load_state_dict(state.state_dict())
+            out["restored"] = fresh.compression_plan()
+    return out
+
+
+def test_auto_gives_each_group_a_level_within_the_error_budget():
+    steps = 20
+    a, b = run_gloo(_auto, 2, steps)
+    plan = a["auto"]["plan"]
+    # the three groups, planned once after the window (steps 1-2 measured), the same on
+    # every rank (the errors are combined), within alpha = 1 x the uniform 4-bit's error
+    assert [r["layer"] for r in plan] == ["3", "1", "<root>"]  # first reduce-scattered first
+    assert plan == b["auto"]["plan"] == a["restored"]
+    assert all(r["family"] == "quantize" or r["level"].startswith("exact") for r in plan)
+    assert sum(r["share"] for r in plan) <= 1.0 + 1e-9
+    # the same weights are seen by every rank (FSDP2 gathers the same shards) and it learns
+    assert torch.equal(a["auto"]["seen"], b["auto"]["seen"])
+    final = {k: sum(v["losses"][-5:]) / 5 for k, v in a.items() if k != "restored"}
+    assert abs(final["auto"] - final["exact"]) <= 0.05 * final["exact"]
+    assert a["exact"]["bytes"] == 0 < a["auto x3"]["bytes"] < a["auto"]["bytes"]
+    # three times the budget: fewer bytes per group, at most 3x the uniform error
+    looser = a["auto x3"]["plan"]
+    assert sum(r["bytes"] for r in looser) < sum(r["bytes"] for r in plan)
+    assert sum(r["share"] for r in looser) <= 1.0 + 1e-9
+    assert sum(r["error"] for r in looser) <= 3 * sum(r["error"] for r in plan) * (1 + 1e-6)
+
+
 # -- bad input: clear errors from compress(), before the first step -------------------------
 
 def _bad_input(rank, world):
@@ -211,8 +256,13 @@ def _bad_input(rank, world):
                lambda: cfsdp.compress(model, params_bits=bits))
     expect("bits=9", ValueError, r"bits=9 is not supported; expected an int in \[1, 8\]",
            lambda: cfsdp.compress(model, compression=hvd.Compression.quantize(bits=9)))
-    expect("auto", ValueError, r"a policy \(\"auto\", planned\) is not available for FSDP",
-           lambda: cfsdp.compress(model, compression="auto"))
+    expect("planned", ValueError, r"the planned policy is not available for FSDP",
+           lambda: cfsdp.compress(model, compression=hvd.Compression.planned()))
+    expect("auto hierarchical", ValueError, r"cross_compression \(hierarchical\) takes fixed",
+           lambda: cfsdp.compress(model, compression="auto",
+                                  cross_compression=hvd.Compression.quantize(bits=4)))
+    expect("auto time", ValueError, r"objective='time'\) is not available for sharded",
+           lambda: cfsdp.compress(model, compression=hvd.Compression.auto(objective="time")))
     expect("topk", ValueError, r"TopKCompressor is not supported by cgx.torch.fsdp: pass",
            lambda: cfsdp.compress(model, compression=hvd.Compression.topk(0.1)))
     expect("fp16", ValueError, r"MixedPrecisionPolicy\(reduce_dtype=...\)",
@@ -222,7 +272,7 @@ def _bad_input(rank, world):
 
 def test_bad_input_fails_in_compress():
     (errors,) = run_gloo(_bad_input, 1)
-    assert len(errors) == 11
+    assert len(errors) == 13
 
 
 # -- checkpoints: residuals and step counters in torch.distributed.checkpoint ----------------

@@ -31,6 +31,12 @@ What travels (per parameter group, each backward):
                                                 ``error_feedback=True``: residuals of this
                                                 rank's input, kept in the returned state
 ``Compression.none``                            as the ``CGX_*`` variables say (4 bits)
+``"auto"`` / ``Compression.auto(...)``          a level per parameter group: auto's knapsack
+                                                (fewest bytes with the summed error within
+                                                ``alpha`` x the uniform default's) over the
+                                                quantization levels and exact, from each
+                                                group's measured errors
+                                                (:mod:`cgx.adaptive.groups`)
 ``+ cross_compression=...``                     hierarchical: ``compression`` among the
                                                 ranks of a host, ``cross_compression``
                                                 between hosts (SDP4Bit: 8 and 4 bits)
@@ -41,8 +47,8 @@ with any of the above (bf16 parameters with an fp32 reduce-scatter input, say). 
 rules (``CGX_LAYER_CONFIG``) do not apply: a group's gradients travel as one flat buffer.
 
 Not supported (``ValueError`` from :func:`compress`): HSDP (a 2-D mesh with a replicate
-dimension), a mesh over other ranks than cgx's world, ``compression="auto"``, top-k and
-PowerSGD. ``set_gradient_divide_factor`` with a quantized reduce-scatter fails at the
+dimension), a mesh over other ranks than cgx's world, ``Compression.planned()``, top-k
+and PowerSGD, ``"auto"`` with ``cross_compression`` or ``objective="time"``. ``set_gradient_divide_factor`` with a quantized reduce-scatter fails at the
 first backward.
 """
 
@@ -58,16 +64,18 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from cgx import runtime, session
+from cgx.adaptive.groups import GroupLevels
 from cgx.collectives import reduce_scatter as rs
 from cgx.collectives.sharded import Levels, ShardState, Topology, all_gather_flat, \
     reduce_scatter_flat
-from cgx.compression import (Compression, CompressorKind, ErrorFeedback, ExactCompressor,
-                             Policy, QuantizeCompressor, as_compressor, is_policy_name)
+from cgx.compression import (AutoCompression, Compression, CompressorKind, ErrorFeedback,
+                             ExactCompressor, Policy, QuantizeCompressor, as_compressor,
+                             is_policy_name)
 from cgx.config import MAX_BITS, MIN_BITS, Rounding
 from cgx.errors import NotInitializedError
 from cgx.quant.codec import QuantSpec
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 1: the groups' states alone
 PARAMS_BUCKET_SIZE = 1024  # values per (unit, min) pair of the parameters' all-gather
 
 
@@ -101,14 +109,16 @@ def compress(model: torch.nn.Module, compression=Compression.none, *, cross_comp
     if not runtime.is_initialized():
         raise NotInitializedError("call cgx.torch.init() before cgx.torch.fsdp.compress(model)")
     _check_mesh(model)
-    levels = _levels(compression, cross_compression)
+    auto = _group_levels(compression, cross_compression)
+    levels = Levels(None, None, auto.error_feedback) if auto is not None else \
+        _levels(compression, cross_compression)
     params_spec = _params_spec(params_bits)
     topology = None
     if cross_compression is not None:
         world = runtime.transport()
         topology = session.run(Topology.of, world, runtime.local_transport(),
                                runtime.cross_transport(), label="fsdp topology")
-    state = FSDPCompression(levels, params_spec, topology, _seed(compression))
+    state = FSDPCompression(levels, params_spec, topology, _seed(compression), auto)
     for name, module in modules:
         module.set_custom_reduce_scatter(CGXReduceScatter(state, name or "<root>"))
         if params_spec is not None:
@@ -130,16 +140,23 @@ class FSDPCompression:
             :class:`ShardState`.
     """
 
-    __slots__ = ("levels", "params_spec", "topology", "seed", "groups")
+    __slots__ = ("levels", "params_spec", "topology", "seed", "groups", "auto")
 
     def __init__(self, levels: Optional[Levels], params_spec: Optional[QuantSpec],
-                 topology: Optional[Topology], seed: int):
+                 topology: Optional[Topology], seed: int, auto: Optional[GroupLevels] = None):
         self.levels, self.params_spec, self.topology, self.seed = \
             levels, params_spec, topology, seed
         self.groups: dict[str, ShardState] = {}
+        self.auto = auto  # compression="auto": each group's level (else levels for all)
 
     def group(self, name: str) -> ShardState:
         return self.groups.setdefault(name, ShardState())
+
+    def compression_plan(self) -> list[dict]:
+        """With ``compression="auto"``: per group, its level, bytes, error and share of the
+        error budget (``cgx.adaptive.format_levels`` prints it); empty before the first
+        plan and in the other modes."""
+        return self.auto.rows() if self.auto is not None else []
 
     def param_gather_error(self) -> float:
         """Relative L2 error the quantized all-gather added to this rank's parameter shards,
@@ -151,13 +168,14 @@ class FSDPCompression:
     def state_dict(self) -> dict:
         """``{"format", "world", "rank<r>": bytes}``: this rank's groups as a snapshot."""
         buf = io.BytesIO()
-        torch.save({n: _plain(s) for n, s in self.groups.items()}, buf)
+        torch.save({"groups": {n: _plain(s) for n, s in self.groups.items()},
+                    "auto": None if self.auto is None else self.auto.state_dict()}, buf)
         return {"format": STATE_FORMAT, "world": runtime.size(),
                 f"rank{runtime.rank()}": buf.getvalue()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore this rank's part of a :meth:`state_dict` (saved by the same rank)."""
-        if state.get("format") != STATE_FORMAT:
+        if state.get("format") not in (1, STATE_FORMAT):
             raise ValueError(f"not a cgx.torch.fsdp state (format {state.get('format')!r}, "
                              f"expected {STATE_FORMAT})")
         key, world = f"rank{runtime.rank()}", runtime.size()
@@ -165,8 +183,12 @@ class FSDPCompression:
             raise ValueError(f"this state was saved by {state.get('world')} ranks; this job has "
                              f"{world}: residuals are per rank, so resume on as many ranks (or "
                              "leave the cgx state out of the load to start them from zero)")
-        groups = torch.load(io.BytesIO(state[key]), weights_only=True)
-        self.groups = {n: ShardState(**s) for n, s in groups.items()}
+        saved = torch.load(io.BytesIO(state[key]), weights_only=True)
+        if state["format"] == 1:  # the groups alone
+            saved = {"groups": saved, "auto": None}
+        self.groups = {n: ShardState(**s) for n, s in saved["groups"].items()}
+        if self.auto is not None and saved["auto"] is not None:
+            self.auto.load_state_dict(saved["auto"])
 
 
 def _plain(s: ShardState) -> dict:
@@ -196,13 +218,24 @@ class CGXReduceScatter:
                                               async_op=async_op)
         average = _is_average(op)
         t0 = time.perf_counter()
-        sent = _run_ordered(reduce_scatter_flat, input_tensor, output_tensor,
-                            runtime.transport(), levels, self.owner.group(self.name),
-                            average=average, name=self.name, seed=self.owner.seed,
-                            threads=runtime.config().cpu_threads, topology=self.owner.topology,
+        sent = _run_ordered(self._reduce_scatter, input_tensor, output_tensor, average,
                             label=f"fsdp reduce_scatter {self.name}")
         rs.record(session.reducer(), input_tensor, sent, t0)
         return None
+
+
+    def _reduce_scatter(self, x: torch.Tensor, out: torch.Tensor, average: bool) -> int:
+        """On the engine thread: this step's level (``"auto"``: the group's, a re-plan
+        when due), then cgx's reduce-scatter."""
+        owner, transport = self.owner, runtime.transport()
+        state, levels = owner.group(self.name), owner.levels
+        if owner.auto is not None:
+            levels = Levels(owner.auto.spec(self.name, state.step, x, transport), None,
+                            levels.error_feedback)
+        return reduce_scatter_flat(x, out, transport, levels, state, average=average,
+                                   name=self.name, seed=owner.seed,
+                                   threads=runtime.config().cpu_threads,
+                                   topology=owner.topology)
 
 
 class CGXAllGather:
@@ -293,9 +326,9 @@ def _check_mesh(model) -> None:
 def _resolve(compression, what: str):
     """(QuantSpec or None, error feedback) for one level's ``compression=``."""
     if isinstance(compression, Policy) or is_policy_name(compression):
-        raise ValueError(f"{what}={compression!r}: a policy (\"auto\", planned) is not "
-                         "available for FSDP; pass Compression.quantize(bits=...) or "
-                         "Compression.exact")
+        raise ValueError(f"{what}={compression!r}: the planned policy is not available for "
+                         "FSDP; pass Compression.quantize(bits=...), Compression.exact, or "
+                         "compression='auto' (a level per parameter group)")
     comp = as_compressor(compression)
     inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
     if isinstance(inner, QuantizeCompressor):
@@ -310,6 +343,21 @@ def _resolve(compression, what: str):
     raise ValueError(f"{what}={type(inner).__name__} is not supported by cgx.torch.fsdp: pass "
                      "Compression.quantize(...), Compression.none or Compression.exact (for a "
                      "fp16/bf16 reduce-scatter, use FSDP2's MixedPrecisionPolicy(reduce_dtype=...))")
+
+
+def _group_levels(compression, cross_compression) -> Optional[GroupLevels]:
+    """``compression="auto"`` (or ``Compression.auto(...)``): each group's level by auto's
+    knapsack; None for a fixed compression."""
+    if not (isinstance(compression, AutoCompression) or compression == "auto"):
+        return None
+    if cross_compression is not None:
+        raise ValueError("compression='auto' chooses one level per group over all ranks; "
+                         "cross_compression (hierarchical) takes fixed levels: pass "
+                         "Compression.quantize(...) for both, or leave cross_compression out")
+    settings = compression if isinstance(compression, AutoCompression) else Compression.auto()
+    cfg = runtime.config()
+    ef = cfg.error_feedback if settings.error_feedback is None else settings.error_feedback
+    return GroupLevels(settings, cfg, ef)
 
 
 def _levels(compression, cross_compression) -> Optional[Levels]:
