@@ -12,7 +12,10 @@ from spawn import run_gloo
 pytestmark = pytest.mark.multiproc
 
 
-def _keras(rank, world):
+def _keras(rank, world, mode="auto"):
+    """Two epochs of model.fit with the deciding exchange (``mode="auto"``: plan at step 2,
+    warm-up 3, then 3-5 plans x 2 steps) or the planned mode's trials (``"planned"``:
+    planned at step 2, warm-up 1, then 2 or 3 plans x 2 steps)."""
     import numpy as np
     import keras
     import cgx.tensorflow.keras as hvd
@@ -20,13 +23,15 @@ def _keras(rank, world):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(256, activation="tanh"),
                               keras.layers.Dense(64), keras.layers.Dense(3)])
-    comp = hvd.Compression.auto(objective="time", window=2, trial_steps=1, recheck_every=0)
+    comp = hvd.Compression.auto(objective="time", window=2, trial_steps=1, recheck_every=0) \
+        if mode == "auto" else hvd.Compression.planned(
+            calibrate_steps=2, assume_gbit=0.01, replan_every=0, trial_steps=1,
+            trial_warmup_steps=1)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01), compression=comp)
     model.compile(optimizer=opt, loss="mse", jit_compile=False)
     rng = np.random.default_rng(rank)
     x = rng.normal(size=(160, 16)).astype("float32")
     y = rng.normal(size=(160, 3)).astype("float32")
-    # 10 steps per epoch: plan at step 2, warm-up 3, then 3-5 plans x 2 steps
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     return {"rounds": opt.exchange_trials(),

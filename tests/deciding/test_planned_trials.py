@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from spawn import run_gloo
+from test_deciding_adapters import _keras  # model.fit, the trials of either mode
 
 pytestmark = pytest.mark.multiproc
 STEPS = 14  # planned at step 2, warm-up 1, then 2 or 3 plans x (1 settling + 2 measured)
@@ -110,30 +111,8 @@ def test_without_trials_the_planners_plan_travels():
     assert rounds == [] and levels == ["exact"] * 6  # a fast link: the planner keeps all exact
 
 
-def _keras(rank, world):
-    import numpy as np
-    import keras
-    import cgx.tensorflow.keras as hvd
-    hvd.init()
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(256, activation="tanh"),
-                              keras.layers.Dense(64), keras.layers.Dense(3)])
-    comp = hvd.Compression.planned(calibrate_steps=2, assume_gbit=0.01, replan_every=0,
-                                   trial_steps=1, trial_warmup_steps=1)
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01), compression=comp)
-    model.compile(optimizer=opt, loss="mse", jit_compile=False)
-    rng = np.random.default_rng(rank)
-    x = rng.normal(size=(160, 16)).astype("float32")
-    y = rng.normal(size=(160, 3)).astype("float32")
-    # planned at step 2, warm-up 1, then 2 or 3 plans x (1 settling + 1 measured)
-    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    return {"rounds": opt.exchange_trials(), "levels": [r["level"] for r in opt.compression_plan()],
-            "weights": [w.numpy() for w in model.weights]}
-
-
 def test_keras_planned_mode_tries_the_same_plans_on_every_rank():
-    a, b = run_gloo(_keras, 2)
+    a, b = run_gloo(_keras, 2, "planned")
     assert len(a["rounds"]) == 1 and a["rounds"] == b["rounds"]
     r = a["rounds"][0]
     labels = {p["label"] for p in r["plans"]}
