@@ -21,18 +21,18 @@ def _model():
                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
 
 
-def _compression(hvd, gbit):
+def _compression(hvd, gbit, trials=True):
     return hvd.Compression.planned(calibrate_steps=2, assume_gbit=gbit, replan_every=0,
-                                   trial_steps=2, trial_warmup_steps=1)
+                                   trial_steps=2, trial_warmup_steps=1, trials=trials)
 
 
-def _train(rank, world, gbit, steps=STEPS, saved=None):
+def _train(rank, world, gbit, steps=STEPS, saved=None, trials=True):
     import cgx.torch as hvd
     hvd.init()
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    named_parameters=model.named_parameters(),
-                                   compression=_compression(hvd, gbit))
+                                   compression=_compression(hvd, gbit, trials))
     start = 0
     if saved is not None:
         model.load_state_dict(saved[rank]["model"])
@@ -90,25 +90,10 @@ def test_a_resumed_run_keeps_the_decision_and_does_not_try_again():
         assert set(after["levels"]) == {before["levels"][-1]}  # the kept plan travels on
 
 
-def _no_trials(rank, world):
-    import cgx.torch as hvd
-    hvd.init()
-    model = _model()
-    opt = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
-        compression=hvd.Compression.planned(calibrate_steps=2, assume_gbit=1e6, trials=False))
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(6):
-        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return opt.exchange_trials(), [r["level"] for r in opt.compression_plan()]
-
-
 def test_without_trials_the_planners_plan_travels():
-    (rounds, levels), _ = run_gloo(_no_trials, 2)
-    assert rounds == [] and levels == ["exact"] * 6  # a fast link: the planner keeps all exact
+    a, _ = run_gloo(_train, 2, 1e6, 6, None, False)
+    # a fast link: the planner keeps all exact, from its plan at step 2 on
+    assert a["rounds"] == [] and a["levels"][2:] == [("exact",) * 6] * 4
 
 
 def test_keras_planned_mode_tries_the_same_plans_on_every_rank():
