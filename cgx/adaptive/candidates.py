@@ -68,9 +68,7 @@ class Candidate:
 
     def traffic(self, shape, world: int) -> float:
         """Bytes one rank sends per step with ``world`` ranks (at least 2 assumed)."""
-        w = max(2, int(world))
-        factor = (w - 1) if self.family is Family.TOPK else 2 * (w - 1) / w
-        return factor * self.wire_bytes(shape)
+        return traffic_factor(self.family, world) * self.wire_bytes(shape)
 
     @property
     def label(self) -> str:
@@ -147,6 +145,13 @@ def candidates_for(shape: Sequence[int], families: Sequence[Family],
             if int(r) <= min(n, m) and int(r) * (n + m) < n * m:
                 out.append(Candidate(Family.POWERSGD, rank=int(r)))
     return out
+
+
+def traffic_factor(family: Family, world: int) -> float:
+    """What one rank sends per payload byte with ``world`` ranks (at least 2 assumed): an
+    allgather (top-k) ``W - 1`` times it, an allreduce ``2 (W - 1) / W``."""
+    w = max(2, int(world))
+    return (w - 1) if family is Family.TOPK else 2 * (w - 1) / w
 
 
 @functools.lru_cache(maxsize=1 << 16)

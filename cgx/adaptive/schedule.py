@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.adaptive.candidates import Candidate, Family, candidates_for
+from cgx.adaptive.candidates import Candidate, Family, candidates_for, traffic_factor
 from cgx.adaptive.solver import solve
 from cgx.adaptive import stats
 from cgx.compression.auto import AutoCompression
@@ -77,9 +77,12 @@ class AdaptiveSchedule:
                     cands.append(ref)
             self.reference.append(ref)
         self.plan: list[Optional[Candidate]] = list(self.reference)
-        # per layer, each candidate's index in its list (None: not planned)
+        # per layer, each candidate's index in its list and its payload bytes (None: not
+        # planned): fixed for the run, read by every decision
         self._position = [None if cands is None else {c: j for j, c in enumerate(cands)}
                           for cands in self.candidates]
+        self._wire = [None if cands is None else [c.wire_bytes(s) for c in cands]
+                      for s, cands in zip(self.shapes, self.candidates)]
         self.next_plan = settings.warmup_steps + settings.window
         self.plans_made = 0
         self.hidden: set = set()  # layers the planner keeps exact (compressing saves no time)
@@ -230,12 +233,14 @@ class AdaptiveSchedule:
 
     def traffic_table(self, world: int) -> list:
         """Per layer (None: not planned), the bytes each candidate sends per step with
-        ``world`` ranks: computed once per world size, read by every decision."""
+        ``world`` ranks: its payload (computed with the candidates) times the collective's
+        factor, once per world size. Shared: callers must not modify it."""
         table = self._traffic.get(world)
         if table is None:
+            factor = {f: traffic_factor(f, world) for f in Family}
             table = self._traffic[world] = [
-                None if cands is None else [c.traffic(s, world) for c in cands]
-                for s, cands in zip(self.shapes, self.candidates)]
+                None if cands is None else [factor[c.family] * b for c, b in zip(cands, wire)]
+                for cands, wire in zip(self.candidates, self._wire)]
         return table
 
     def alternative(self, hidden: Sequence[int], base: Optional[Sequence] = None) -> list:
