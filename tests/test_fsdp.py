@@ -189,8 +189,11 @@ def _auto(rank, world, steps):
     comp = C.auto(window=3, bits=(2, 3, 4, 8), bucket_sizes=(16, 64, 1024), error_feedback=True)
     loose = C.auto(alpha=3.0, window=3, bits=(2, 3, 4, 8), bucket_sizes=(16, 64, 1024),
                    error_feedback=True)
+    warm = C.auto(window=2, warmup_steps=2, bits=(2, 8), bucket_sizes=(16,),
+                  error_feedback=True)  # exact first, then quantized: residuals start then
     out = {}
-    for label, c in (("exact", C.exact), ("auto", comp), ("auto x3", loose)):
+    for label, c in (("exact", C.exact), ("auto", comp), ("auto x3", loose),
+                     ("auto after warm-up", warm)):
         before = hvd.stats().wire_bytes
         model, state, losses = _train_lm(rank, c, steps)
         out[label] = {"losses": losses, "bytes": hvd.stats().wire_bytes - before,
@@ -217,6 +220,8 @@ def test_auto_gives_each_group_a_level_within_the_error_budget():
     assert torch.equal(a["auto"]["seen"], b["auto"]["seen"])
     final = {k: sum(v["losses"][-5:]) / 5 for k, v in a.items() if k != "restored"}
     assert abs(final["auto"] - final["exact"]) <= 0.05 * final["exact"]
+    assert abs(final["auto after warm-up"] - final["exact"]) <= 0.05 * final["exact"]
+    assert [r["layer"] for r in a["auto after warm-up"]["plan"]] == ["3", "1", "<root>"]
     assert a["exact"]["bytes"] == 0 < a["auto x3"]["bytes"] < a["auto"]["bytes"]
     # three times the budget: fewer bytes per group, at most 3x the uniform error
     looser = a["auto x3"]["plan"]
@@ -395,6 +400,38 @@ def test_mixed_precision_and_one_rank_overflow():
         assert out["skipped"] == [False, True, False, False]  # on every rank
         assert out["residuals finite"]
         assert out["own chunk inf"] == (False, True)
+
+
+# -- a group whose level changes ("auto"): what quantizing owed is sent once, exactly ----------
+
+def _level_changes(rank, world):
+    import cgx.torch as hvd
+    from cgx.collectives.sharded import Levels, ShardState, reduce_scatter_flat
+    from cgx.comm.base import ReduceOp
+    from cgx.quant.codec import QuantSpec
+    hvd.init()
+    tr, m, s = _world(), 64, ShardState()
+    x = torch.randn(world * m, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    mine = torch.empty(m)
+    reduce_scatter_flat(x, mine, tr, Levels(QuantSpec(2, 16), None, True), s, average=True)
+    owed = s.residuals[world * m][0].clone()  # what 2 bits dropped of this rank's input
+    reduce_scatter_flat(x, mine, tr, Levels(None, None, True), s, average=True)  # exact now
+    total = x + owed
+    tr.allreduce(total, ReduceOp.SUM)
+    out["owed"] = float(owed.abs().sum())
+    out["exact step error"] = float((mine - total.view(world, m)[rank] / world).abs().max())
+    out["held after exact"] = sum(len(v) for v in s.residuals.values())
+    reduce_scatter_flat(x, mine, tr, Levels(QuantSpec(8, 16), None, True), s, average=True)
+    out["held after 8 bits"] = [r.numel() for r in s.residuals[world * m]]
+    return out
+
+
+def test_a_group_moved_to_exact_sends_what_its_quantization_owed():
+    for out in run_gloo(_level_changes, 2):
+        assert out["owed"] > 0 and out["exact step error"] < 1e-5
+        assert out["held after exact"] == 0  # sent, and forgotten
+        assert out["held after 8 bits"] == [128]  # quantizing again: a new residual
 
 
 # -- hierarchical: 8 bits inside a host, 4 between hosts (2 hosts x 2 ranks) ------------------

@@ -64,7 +64,7 @@ class GroupLevels:
             self.sizes.setdefault(name, x.numel())
             return None if step < self.settings.warmup_steps else self._default()
         if self.schedule is None:
-            self._build()
+            self._build(step)
         sched = self.schedule
         if step > self._latest:  # the step's first reduce-scatter
             self._latest = step
@@ -83,13 +83,15 @@ class GroupLevels:
                               self.config, self.settings)
         return d.spec(self.settings.rounding or self.config.rounding)
 
-    def _build(self) -> None:
+    def _build(self, step: int) -> None:
+        """The schedule of the groups seen so far; its window starts at ``step`` (the steps
+        before ran the uniform default unmeasured: the first, or a resumed run's first)."""
         names = list(self.sizes)
         self.schedule = AdaptiveSchedule(names, [(self.sizes[n],) for n in names],
                                          [True] * len(names), self.settings, self.config,
                                          error_feedback=self.error_feedback)
-        # the first step ran the uniform default: the schedule's steps count from it
-        self._latest = 0
+        self.schedule.replan_soon(step)
+        self._latest = step - 1
 
     def rows(self) -> list[dict]:
         """Per group: its level, bytes, error and share of the budget (``format_levels``)."""
@@ -105,6 +107,6 @@ class GroupLevels:
         self.sizes = {n: int(v) for n, v in state["sizes"].items()}
         self.schedule = None
         if state["schedule"] is not None:
-            self._build()
+            self._build(0)
             self.schedule.load_state_dict(state["schedule"])
         self._latest = int(state["latest"])

@@ -214,7 +214,7 @@ class AdaptiveSchedule:
             self.plan[i] = self.candidates[i][j]
         self.world = world
         self._errors = {**(self._errors or {}),
-                        **{i: (errors[k], costs[k]) for k, i in enumerate(layers)}}
+                        **{i: (errors[k], list(costs[k])) for k, i in enumerate(layers)}}
 
     def _solution(self, layers: list, errors: list, world: int, hidden) -> tuple:
         """``(choice per layer, budget, costs)``: the fewest bytes within the budget, the

@@ -126,11 +126,23 @@ def _residuals(state: ShardState, levels: Levels, key: int, sizes: Sequence[Opti
     entry of ``sizes`` (None: that level is exact, no residual)."""
     if not levels.error_feedback:
         return [None] * len(sizes)
-    if key not in state.residuals:
-        state.residuals[key] = [torch.zeros(n, dtype=torch.float32, device=device)
-                                for n in sizes if n is not None]
-    kept = iter(state.residuals[key])
-    return [next(kept) if n is not None else None for n in sizes]
+    want = [n for n in sizes if n is not None]
+    kept = state.residuals.get(key, [])
+    if [r.numel() for r in kept] != want:  # first use, or the levels changed ("auto")
+        kept = state.residuals[key] = [torch.zeros(n, dtype=torch.float32, device=device)
+                                       for n in want]
+    it = iter(kept)
+    return [next(it) if n is not None else None for n in sizes]
+
+
+def _owed(x: torch.Tensor, state: ShardState, levels: Levels) -> torch.Tensor:
+    """``x`` plus what an earlier quantized level still owes when this one is exact (a
+    group ``"auto"`` moved to exact): sent now, exactly, and forgotten."""
+    held = state.residuals.get(x.numel()) if levels.inner is None else None
+    if not held:
+        return x
+    del state.residuals[x.numel()]
+    return x + held[0].to(x.dtype).view_as(x)
 
 
 def reduce_scatter_flat(x: torch.Tensor, out: torch.Tensor, transport: Transport,
@@ -158,6 +170,7 @@ def reduce_scatter_flat(x: torch.Tensor, out: torch.Tensor, transport: Transport
     key = dict(name=name, seed=seed, step=state.step, threads=threads)
     with count_sent() as sent:
         if topology is None or topology.cross.size == 1 and topology.local.size == W:
+            x = _owed(x, state, levels)
             (res,) = _residuals(state, levels, x.numel(),
                                 [x.numel() if levels.inner else None], x.device)
             mine, _ = reduce_scatter(x.view(W, -1), transport, ReduceOp.SUM, post=post,

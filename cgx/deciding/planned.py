@@ -6,7 +6,8 @@ exact in fused buckets (what DDP does), every tensor the rules allow at the fixe
 the measured steps and the fastest is kept (ties within ``tie_tolerance``: fewer bytes),
 so the planned mode is never slower than the two fixed choices it weighs, whatever the
 model missed. There is no error budget beyond the fixed level: every plan is eligible.
-A plan is one bool per tensor (quantized?).
+A plan is one bool per tensor (quantized?). Linear layers sent as sufficient factors
+(``sufficient_factors=``) follow the planner's per-layer choice in every plan.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -216,6 +217,9 @@ class Planned(Mode):
         self.decider = PlannedDecider(planned, trials) if trials is not None else None
         self.last_step: Optional[int] = None
         self._chosen: Optional[list] = None  # the trial's or kept plan (None: the planner's)
+        # a plan restored without trials (a checkpoint of trials=False or of an older
+        # version): tried at the next step
+        self._untried = False
 
     def begin_step(self, step: int, red) -> None:
         if step == self.last_step:
@@ -226,10 +230,12 @@ class Planned(Mode):
             self.planned.begin_step(step, t, verbose, timeline)
             return
         self.decider.tick(step, t, verbose, timeline)  # a re-trial re-plans first
-        before = self.planned.planned_at
+        before, since = self.planned.planned_at, time.perf_counter()
         self.planned.begin_step(step, t, verbose, timeline, check_drift=False)
-        if self.planned.planned_at == step and before != step:  # a new plan: try it
-            self.decider.propose(step, t, verbose, timeline)
+        fresh = self.planned.planned_at == step and before != step  # a new plan: try it
+        if fresh or self._untried and self.planned.chosen is not None:
+            self._untried = False
+            self.decider.propose(step, t, verbose, timeline, since)
         self._chosen = self.decider.plan_now(step, timeline)
 
     def specs_now(self, specs: list) -> list:
@@ -259,3 +265,5 @@ class Planned(Mode):
         # this set is traced and planned again, then tried
         if self.decider is not None and "decider" in state and same:
             self.decider.load_state_dict(state["decider"])
+        elif self.decider is not None:
+            self._untried = self.planned.chosen is not None

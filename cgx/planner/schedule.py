@@ -17,7 +17,9 @@ Timeline (``c`` = calibrate_steps)::
                    measured step (first gradient ready to the end of the step's last
                    reduction) is agreed (MAX over ranks of each rank's median) and compared
                    with the prediction; a drift beyond ``drift_tolerance`` re-measures and
-                   re-plans from the latest ready times
+                   re-plans from the latest ready times (``Compression.planned(trials=False)``;
+                   with trials, :mod:`cgx.deciding.planned` tries each plan against exact and
+                   uniform, keeps the fastest and checks it against its trial instead)
 
 Every input of the planner is agreed over the ranks and the planner is deterministic,
 so every rank holds the same plan: the ranks issue the same collectives.
@@ -133,7 +135,7 @@ class PlannedSchedule:
         are also marked on ``timeline`` (``cgx.timeline``) when given."""
         if self._trace_from is None:
             self._trace_from = step
-        if self._end is not None and self.planned_at is not None:
+        if check_drift and self._end is not None and self.planned_at is not None:
             # The previous step's exchange ended with its latest reduction. The first
             # step after a plan still carries the calibration; it is not measured.
             s, end = self._end

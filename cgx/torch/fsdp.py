@@ -154,8 +154,8 @@ class FSDPCompression:
 
     def compression_plan(self) -> list[dict]:
         """With ``compression="auto"``: per group, its level, bytes, error and share of the
-        error budget (``cgx.adaptive.format_levels`` prints it); empty before the first
-        plan and in the other modes."""
+        error budget (``cgx.adaptive.format_levels`` prints it): the uniform default until
+        the first plan, empty before the second step and in the other modes."""
         return self.auto.rows() if self.auto is not None else []
 
     def param_gather_error(self) -> float:
@@ -348,7 +348,10 @@ def _resolve(compression, what: str):
 def _group_levels(compression, cross_compression) -> Optional[GroupLevels]:
     """``compression="auto"`` (or ``Compression.auto(...)``): each group's level by auto's
     knapsack; None for a fixed compression."""
-    if not (isinstance(compression, AutoCompression) or compression == "auto"):
+    if isinstance(cross_compression, AutoCompression) or is_policy_name(cross_compression):
+        raise ValueError("cross_compression takes a fixed level (Compression.quantize(...)); "
+                         "'auto' is for compression= over all ranks, without cross_compression")
+    if not (isinstance(compression, AutoCompression) or is_policy_name(compression)):
         return None
     if cross_compression is not None:
         raise ValueError("compression='auto' chooses one level per group over all ranks; "

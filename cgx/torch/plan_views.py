@@ -24,7 +24,9 @@ class PlanViews:
     def exchange_plan(self):
         """The planner's decision with ``compression=Compression.planned(...)``: a
         :class:`cgx.planner.ExchangePlan` (``cgx.planner.format_exchange`` prints it per tensor), or
-        None while the first steps are traced (and in other modes)."""
+        None while the first steps are traced (and in other modes). With trials, what
+        travels is the plan they kept (:meth:`exchange_trials`; ``compression_plan()``
+        lists its levels), which may be all exact or all quantized instead."""
         planned = self.gradient_plan().planned
         return planned.plan if planned is not None else None
 

@@ -90,6 +90,15 @@ def test_a_resumed_run_keeps_the_decision_and_does_not_try_again():
         assert set(after["levels"]) == {before["levels"][-1]}  # the kept plan travels on
 
 
+def test_a_plan_restored_without_trials_is_tried_at_the_next_step():
+    # a checkpoint of trials=False (or of a version before trials): the plan is there,
+    # no decision; the run it resumes with trials tries the plan at once
+    untried = run_gloo(_train, 2, 0.001, 6, None, False)
+    a, b = run_gloo(_train, 2, 0.001, 16, untried)
+    assert len(a["rounds"]) == 1 and a["rounds"] == b["rounds"]
+    assert a["rounds"][0]["start"] == 6
+
+
 def test_without_trials_the_planners_plan_travels():
     a, _ = run_gloo(_train, 2, 1e6, 6, None, False)
     # a fast link: the planner keeps all exact, from its plan at step 2 on
