@@ -106,7 +106,8 @@ class Compression:
     def planned(bits: int = 4, bucket_size: int = 1024, calibrate_steps: int = 5,
                 assume_gbit: Optional[float] = None, error_feedback: bool = False,
                 replan_every: int = 50, drift_tolerance: float = 0.25, trials: bool = True,
-                trial_steps: int = 3, trial_warmup_steps: int = 3) -> Compressor:
+                trial_steps: int = 3, trial_warmup_steps: int = 3,
+                device_profile=None) -> Compressor:
         """Exact or quantized per tensor, as the planner predicts is fastest (Espresso),
         confirmed by the step clock.
 
@@ -117,14 +118,16 @@ class Compression:
         steps and the fastest measured is kept (:mod:`cgx.deciding.planned`). Every
         ``replan_every`` steps the kept plan's step is checked (against its trial, or
         without trials against the prediction) and the plan remade when it drifts by
-        more than ``drift_tolerance``. See :class:`PlannedCompression` and
-        :mod:`cgx.planner`.
+        more than ``drift_tolerance``. For CUDA gradients the plan also says where each
+        tensor is quantized (the GPU, or the host on pinned copies; ``device_profile``).
+        See :class:`PlannedCompression` and :mod:`cgx.planner`.
         """
         return PlannedCompression(bits=bits, bucket_size=bucket_size,
                                   calibrate_steps=calibrate_steps, assume_gbit=assume_gbit,
                                   error_feedback=error_feedback, replan_every=replan_every,
                                   drift_tolerance=drift_tolerance, trials=trials,
-                                  trial_steps=trial_steps, trial_warmup_steps=trial_warmup_steps)
+                                  trial_steps=trial_steps, trial_warmup_steps=trial_warmup_steps,
+                                  device_profile=device_profile)
 
     @staticmethod
     def topk(density: float = 0.01, error_feedback: bool = True,

@@ -43,6 +43,13 @@ class PlannedCompression(Policy):
             or a link probe that moved, re-plans and tries again. False: the planner's
             plan travels as predicted, checked against its prediction.
         trial_steps, trial_warmup_steps: see ``trials``.
+        device_profile: for CUDA gradients, where compression may run
+            (:class:`cgx.planner.placement.DeviceProfile`: the GPU's kernels or the host's
+            C path on pinned copies, per tensor, weighed by the planner; see
+            docs/placement.md). None (default): measured on the GPU at each plan
+            (``calibrate_device``, about a second); for CPU gradients, no choice. Given
+            for CPU gradients, the plan weighs it all the same and each tensor's codec
+            runs where the plan says (the host for a CPU tensor either way).
     """
 
     name = "planned"
@@ -50,7 +57,7 @@ class PlannedCompression(Policy):
     def __init__(self, bits: int = 4, bucket_size: int = 1024, calibrate_steps: int = 5,
                  assume_gbit: Optional[float] = None, error_feedback: bool = False,
                  replan_every: int = 50, drift_tolerance: float = 0.25, trials: bool = True,
-                 trial_steps: int = 3, trial_warmup_steps: int = 3):
+                 trial_steps: int = 3, trial_warmup_steps: int = 3, device_profile=None):
         from cgx.config import validate_bits, validate_bucket_size
         self.bits = validate_bits(bits, "Compression.planned bits")
         if self.bits > 8:
@@ -77,6 +84,7 @@ class PlannedCompression(Policy):
         self.drift_tolerance = float(drift_tolerance)
         self.assume_gbit = None if assume_gbit is None else float(assume_gbit)
         self.error_feedback = error_feedback
+        self.device_profile = device_profile  # checked by cgx.planner.schedule
         if not isinstance(trials, bool):
             raise TypeError(f"trials must be True or False, got {trials!r}")
         from cgx.compression.trials import TrialSettings

@@ -72,8 +72,10 @@ def _layer_errors(names, specs, work, threads: int):
     return ReduceStats(layer_error=errors)
 
 
-def reduce_fused(cfg: Settings, red, call: Call, specs: Sequence) -> None:
-    """One fused reducer call: each tensor quantized by its spec, or exact (None)."""
+def reduce_fused(cfg: Settings, red, call: Call, specs: Sequence,
+                 placements: Optional[Sequence] = None) -> None:
+    """One fused reducer call: each tensor quantized by its spec, or exact (None);
+    ``placements``: where each CUDA tensor is quantized (None: on its GPU)."""
     work = call.work
     # The reducer quantizes float32/16/bf16 only; float64 travels exact.
     specs = [s if s is not None and w.dtype in FLOAT_DTYPES else None
@@ -87,7 +89,7 @@ def reduce_fused(cfg: Settings, red, call: Call, specs: Sequence) -> None:
         residuals = cfg.store.buffers(work, call.names, specs)
     red.allreduce(work, specs, op=cfg.op, prescale_factor=1.0 / cfg.predivide,
                   postscale_factor=cfg.predivide, name=call.label, residuals=residuals,
-                  step=call.step)
+                  step=call.step, placements=placements)
     if residuals is not None:
         cfg.store.settle(call.names, residuals)
 
@@ -243,10 +245,18 @@ class Planned(Mode):
             return self.planned.specs()
         return [s if c else None for s, c in zip(self.planned.eligible, self._chosen)]
 
+    def placements_now(self) -> Optional[list]:
+        """Where each tensor is quantized: the planner's placements while its plan travels
+        (None: on the tensor's device; the exact and uniform plans keep that)."""
+        if self._chosen is not None and self._chosen != self.planned.chosen:
+            return None
+        return self.planned.placements()
+
     def reduce(self, red, call: Call) -> None:
         self.begin_step(call.step, red)
-        now = self.specs_now(call.specs)
-        reduce_fused(self.cfg, red, call, [now[i] for i in call.idx])
+        now, where = self.specs_now(call.specs), self.placements_now()
+        reduce_fused(self.cfg, red, call, [now[i] for i in call.idx],
+                     None if where is None else [where[i] for i in call.idx])
         if not call.shadow:
             self.planned.note_reduced(call.step)
 

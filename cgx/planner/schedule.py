@@ -79,6 +79,12 @@ class PlannedSchedule:
     def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]], specs: Sequence,
                  settings: PlannedCompression, algorithm: ReductionType = ReductionType.SRA,
                  fusion_mb: float = 64.0):
+        from cgx.planner.placement import DeviceProfile
+        given = getattr(settings, "device_profile", None)
+        if given is not None and not isinstance(given, DeviceProfile):
+            raise TypeError("Compression.planned(device_profile=) takes a "
+                            "cgx.planner.placement.DeviceProfile (e.g. DeviceProfile.h200()) "
+                            f"or None, got {given!r}")
         self.names = list(names)
         self._position = {n: i for i, n in enumerate(self.names)}
         self.shapes = [tuple(s) for s in shapes]
@@ -91,6 +97,7 @@ class PlannedSchedule:
         self.plan: Optional[ExchangePlan] = None
         self.planned_at: Optional[int] = None  # the step of the last plan
         self.checks: list[DriftCheck] = []  # every drift check, in order
+        self._placements: Optional[list] = None  # of the plan (see placements())
         # Tracing runs from this step for calibrate_steps steps (None: from the next step
         # seen; after the set of gradients changed).
         self._trace_from: Optional[int] = 0
@@ -232,6 +239,17 @@ class PlannedSchedule:
             return list(self.eligible)
         return [s if c else None for s, c in zip(self.eligible, self.chosen)]
 
+    def placements(self) -> Optional[list]:
+        """Per tensor, where the plan quantizes it (:class:`cgx.collectives.offload.Placement`;
+        None: exact), or None when the plan had no device to weigh (CPU tensors)."""
+        if self.plan is None or self.chosen is None or self.plan.model.device is None:
+            return None
+        if self._placements is None:
+            from cgx.planner.placement import placement_of
+            self._placements = [placement_of(o.name) if c else None
+                                for o, c in zip(self.plan.chosen, self.chosen)]
+        return self._placements
+
     def replan(self, transport, verbose: bool = False, step: Optional[int] = None,
                timeline=None) -> ExchangePlan:
         """Every rank at the same point: agree on the profile, measure, plan."""
@@ -266,7 +284,7 @@ class PlannedSchedule:
         # comparison decides its factors.)
         self._factors_planned = {i: (rows[i], result.chosen[i].name == "sfb") for i in rows
                                  if self.eligible[i] is not None}
-        self.plan = result
+        self.plan, self._placements = result, None
         _mark(timeline, "plan", {"step": step, "predicted_ms": 1e3 * result.step_s,
                             "choices": {t.name: o.name
                                         for t, o in zip(result.tensors, result.chosen)}})
@@ -321,6 +339,7 @@ class PlannedSchedule:
         # keep the choices, without drift checks)
         saved = state.get("plan")
         self.plan = None if saved is None else plan_from_dict(saved)
+        self._placements = None
         self.planned_at = state.get("planned_at")
         self.checks = [DriftCheck(**c) for c in state.get("checks", [])]
         self._ratio = float(state.get("ratio", 1.0))
@@ -349,6 +368,7 @@ class PlannedSchedule:
         self.cost = None if cost is None else CostModel.from_dict(cost)
         self.checks = [DriftCheck(**c) for c in state.get("checks", [])]
         self.chosen, self.plan, self.planned_at = None, None, None
+        self._placements = None
         self._factors_planned, self._factor_rows = {}, {}
         self._ratio, self._calibrate_ratio, self._measured = 1.0, False, []
         self._trace_from = None
@@ -392,9 +412,24 @@ def agreed_profile(ready_times: list, settings, transport) -> tuple[list, CostMo
     ready, inv = agreed[:n], agreed[n:]
     speeds = dict(compress_bps=1 / inv[0], decompress_bps=1 / inv[1], cast_bps=1 / inv[2],
                   contention=inv[3], matmul_flops=1 / inv[4])
+    speeds["device"] = device_profile(settings, transport)
     if settings.assume_gbit is not None:
         return ready, CostModel.uniform(transport.size, settings.assume_gbit, **speeds)
     return ready, CostModel(transport.size, link_model(transport), **speeds)
+
+
+def device_profile(settings, transport):
+    """Where compression may run, for the planner: ``settings.device_profile`` when given;
+    on a CUDA transport, rank 0's :func:`cgx.planner.placement.calibrate_device` (every
+    rank plans with the same; a collective); else None (CPU tensors: no choice)."""
+    given = getattr(settings, "device_profile", None)
+    if given is not None or transport.device.type != "cuda":
+        return given
+    from cgx.planner.placement import DeviceProfile, calibrate_device
+    mine = calibrate_device(transport.device, bits=settings.bits,
+                            bucket_size=settings.bucket_size).to_dict() \
+        if transport.rank == 0 else None
+    return DeviceProfile.from_dict(transport.allgather_object(mine)[0])
 
 
 def plan_to_dict(p: ExchangePlan) -> dict:

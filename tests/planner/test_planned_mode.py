@@ -425,3 +425,57 @@ def test_ready_times_traced_beside_the_exchange_lose_its_cpu_work(monkeypatch, s
     scale = max(0.5, 1 - busy / 0.30)
     assert p.backward_s == pytest.approx(0.30 * scale)
     assert [t.ready_s for t in p.tensors] == pytest.approx([t * scale for t in traced])
+
+
+def _placed(rank, world, slow_gpu):
+    """A device profile given on CPU ranks: the plan weighs the GPU against the host's C
+    path, and the exchange quantizes each tensor where the plan says (on a CPU tensor the
+    host either way: the numerics are the same)."""
+    import cgx.torch as hvd
+    from cgx.collectives import offload
+    from cgx.planner.placement import DeviceProfile
+    hvd.init()
+    offloaded = []
+    codec = offload.quantize
+
+    def counted(*args, **kwargs):
+        offloaded.append(1)
+        return codec(*args, **kwargs)
+
+    offload.quantize = counted
+    # a GPU whose kernels crawl (1 MB/s) against a fast host: offloading wins; an H200's
+    # figures: the GPU's kernels win
+    profile = DeviceProfile(0.001, 0.001, ((1, 50.0),), ((1, 50.0),), 100.0, 100.0) \
+        if slow_gpu else DeviceProfile.h200()
+    model = _model()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.planned(calibrate_steps=2, assume_gbit=0.001, trials=False,
+                                            device_profile=profile))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    offload.quantize = codec
+    return {"chosen": [o.name for o in opt.exchange_plan().chosen], "offloaded": len(offloaded),
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.multiproc
+def test_a_device_profile_places_each_quantized_tensor_and_the_exchange_follows():
+    slow, _ = run_gloo(_placed, 2, True)
+    fast, _ = run_gloo(_placed, 2, False)
+    assert slow["chosen"] == ["sra-4bit@cpu", "exact"] * 3
+    assert fast["chosen"] == ["sra-4bit", "exact"] * 3
+    # planned at step 2: from then on the three weights go through the host's codec
+    assert slow["offloaded"] > 0 and fast["offloaded"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(slow["params"], fast["params"]))
+
+
+def test_a_device_profile_of_the_wrong_type_is_refused():
+    from cgx.compression.planned import PlannedCompression
+    from cgx.planner.schedule import PlannedSchedule
+    with pytest.raises(TypeError, match="takes a cgx.planner.placement.DeviceProfile"):
+        PlannedSchedule(["w"], [(4, 4)], [None], PlannedCompression(device_profile="h200"))
