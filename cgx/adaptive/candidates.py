@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import math
 from typing import Sequence
 
@@ -64,7 +63,18 @@ class Candidate:
     def wire_bytes(self, shape) -> int:
         """Bytes of this layer's compressed payload (float32 gradients): the compressor's
         own formula. ``shape`` may be a value count for the families that need no shape."""
-        return _wire_bytes(self, shape if isinstance(shape, int) else tuple(int(d) for d in shape))
+        numel = shape if isinstance(shape, int) else math.prod(shape)
+        if self.family is Family.EXACT:
+            return 4 * numel
+        if self.family is Family.QUANTIZE:
+            return QuantSpec(self.bits, self.bucket_size).nbytes(numel)
+        if self.family is Family.TOPK:
+            from cgx.compression.topk import TopKCompressor
+            return TopKCompressor(self.density).payload_nbytes(numel)
+        if isinstance(shape, int):
+            raise ValueError("a PowerSGD candidate's size needs the tensor's shape")
+        from cgx.compression.powersgd import PowerSGDCompressor
+        return 4 * PowerSGDCompressor(self.rank, min_compression_rate=0.0).payload_numel(shape)
 
     def traffic(self, shape, world: int) -> float:
         """Bytes one rank sends per step with ``world`` ranks (at least 2 assumed)."""
@@ -152,22 +162,4 @@ def traffic_factor(family: Family, world: int) -> float:
     allgather (top-k) ``W - 1`` times it, an allreduce ``2 (W - 1) / W``."""
     w = max(2, int(world))
     return (w - 1) if family is Family.TOPK else 2 * (w - 1) / w
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _wire_bytes(c: Candidate, shape) -> int:
-    """:meth:`Candidate.wire_bytes`, remembered: a decision asks it for every layer and
-    candidate of every plan, and the answer never changes."""
-    numel = shape if isinstance(shape, int) else math.prod(shape)
-    if c.family is Family.EXACT:
-        return 4 * numel
-    if c.family is Family.QUANTIZE:
-        return QuantSpec(c.bits, c.bucket_size).nbytes(numel)
-    if c.family is Family.TOPK:
-        from cgx.compression.topk import TopKCompressor
-        return TopKCompressor(c.density).payload_nbytes(numel)
-    if isinstance(shape, int):
-        raise ValueError("a PowerSGD candidate's size needs the tensor's shape")
-    from cgx.compression.powersgd import PowerSGDCompressor
-    return 4 * PowerSGDCompressor(c.rank, min_compression_rate=0.0).payload_numel(shape)
 

@@ -223,10 +223,9 @@ class AdaptiveSchedule:
         costs = [table[i] for i in layers]
         ref = [self._position[i][self.reference[i]] for i in layers]
         budget = self.settings.alpha * sum(e[j] for e, j in zip(errors, ref))
-        exact = Candidate(Family.EXACT)
         for k, i in enumerate(layers):
             if self.names[i] in hidden:  # only exact is offered, and it costs nothing
-                j = self._position[i][exact]
+                j = self._position[i][EXACT]
                 costs[k] = [0.0 if jj == j else math.inf for jj in range(len(costs[k]))]
         solution = solve(costs, errors, budget, reference=None if hidden else ref)
         return solution.choice, budget, costs
@@ -242,6 +241,16 @@ class AdaptiveSchedule:
                 None if cands is None else [factor[c.family] * b for c, b in zip(cands, wire)]
                 for cands, wire in zip(self.candidates, self._wire)]
         return table
+
+    def plan_bytes(self, plan: Sequence, world: int) -> int:
+        """Bytes one rank sends per step with ``plan`` (a Candidate or None per gradient:
+        None is exact), from :meth:`traffic_table`."""
+        table, total = self.traffic_table(world), 0.0
+        for i, c in enumerate(plan):
+            c = c or EXACT
+            j = self._position[i].get(c) if self._position[i] is not None else None
+            total += table[i][j] if j is not None else c.traffic(self.shapes[i], world)
+        return int(total)
 
     def alternative(self, hidden: Sequence[int], base: Optional[Sequence] = None) -> list:
         """The plan the last window's measurements give with the gradients ``hidden`` kept

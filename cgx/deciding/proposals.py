@@ -99,7 +99,7 @@ def propose(adaptive, planned, fewest: Sequence, world: int,
             continue
         seen.append(plan)
         error = adaptive.plan_error(plan)
-        record = PlanRecord(label, kind, plan_bytes(plan, adaptive.shapes, world), error,
+        record = PlanRecord(label, kind, adaptive.plan_bytes(plan, world), error,
                             predicted_step(plan, planned.plan, family),
                             eligible=kind == "exact" or error <= budget * (1 + 1e-9))
         out.append(Proposal(record, plan))
