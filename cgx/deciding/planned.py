@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from cgx.adaptive.candidates import Candidate, Family
 from cgx.deciding.decider import TrialDecider
-from cgx.deciding.proposals import Proposal, plan_bytes, predicted_step, select
+from cgx.deciding.proposals import Proposal, distinct, plan_bytes, predicted_step, select
 from cgx.deciding.trials import PlanRecord
 
 
@@ -35,11 +35,8 @@ class PlannedDecider(TrialDecider):
                  (f"uniform {s.bits}-bit/{s.bucket_size}", "uniform",
                   [e is not None for e in p.eligible]),
                  ("planner", "model", list(p.chosen))]
-        out, seen = [], []
-        for label, kind, chosen in plans:
-            if chosen in seen:
-                continue
-            seen.append(chosen)
+        out = []
+        for label, kind, chosen in distinct(plans):
             cands = [None if e is None else (quantized if c else exact)
                      for e, c in zip(p.eligible, chosen)]
             out.append(Proposal(PlanRecord(label, kind, plan_bytes(cands, p.shapes, transport.size),

@@ -69,6 +69,16 @@ def plan_bytes(plan: Sequence, shapes: Sequence, world: int) -> int:
     return int(sum((c or exact).traffic(s, world) for c, s in zip(plan, shapes)))
 
 
+def distinct(plans):
+    """``(label, kind, plan)`` in order, leaving out a plan already proposed under another
+    label (the first label names it)."""
+    seen = []
+    for label, kind, plan in plans:
+        if plan not in seen:
+            seen.append(plan)
+            yield label, kind, plan
+
+
 def error_budget(adaptive) -> float:
     """``alpha`` times the uniform default's measured error: what no kept plan exceeds."""
     return adaptive.settings.alpha * adaptive.plan_error(adaptive.reference)
@@ -93,11 +103,8 @@ def propose(adaptive, planned, fewest: Sequence, world: int,
              ("fewest bytes", "model", list(fewest)),
              ("planner + fewest bytes", "model", adaptive.alternative(hidden, fewest))]
     budget = error_budget(adaptive)
-    out, seen = [], []
-    for label, kind, plan in plans:
-        if plan in seen:
-            continue
-        seen.append(plan)
+    out = []
+    for label, kind, plan in distinct(plans):
         error = adaptive.plan_error(plan)
         record = PlanRecord(label, kind, adaptive.plan_bytes(plan, world), error,
                             predicted_step(plan, planned.plan, family),
