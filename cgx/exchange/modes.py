@@ -219,6 +219,9 @@ class Planned(Mode):
         self.decider = PlannedDecider(planned, trials) if trials is not None else None
         self.last_step: Optional[int] = None
         self._chosen: Optional[list] = None  # the trial's or kept plan (None: the planner's)
+        # this step's specs and placements (set once a step: every call of it reads them)
+        self._specs: Optional[list] = None
+        self._where: Optional[list] = None
         # a plan restored without trials (a checkpoint of trials=False or of an older
         # version): tried at the next step
         self._untried = False
@@ -230,31 +233,32 @@ class Planned(Mode):
         t, verbose, timeline = red.transport, red.config.verbose, red.timeline
         if self.decider is None:
             self.planned.begin_step(step, t, verbose, timeline)
-            return
-        self.decider.tick(step, t, verbose, timeline)  # a re-trial re-plans first
-        before, since = self.planned.planned_at, time.perf_counter()
-        self.planned.begin_step(step, t, verbose, timeline, check_drift=False)
-        fresh = self.planned.planned_at == step and before != step  # a new plan: try it
-        if fresh or self._untried and self.planned.chosen is not None:
-            self._untried = False
-            self.decider.propose(step, t, verbose, timeline, since)
-        self._chosen = self.decider.plan_now(step, timeline)
+        else:
+            self.decider.tick(step, t, verbose, timeline)  # a re-trial re-plans first
+            before, since = self.planned.planned_at, time.perf_counter()
+            self.planned.begin_step(step, t, verbose, timeline, check_drift=False)
+            fresh = self.planned.planned_at == step and before != step  # a new plan: try it
+            if fresh or self._untried and self.planned.chosen is not None:
+                self._untried = False
+                self.decider.propose(step, t, verbose, timeline, since)
+            self._chosen = self.decider.plan_now(step, timeline)
+        self._specs, self._where = self._travelling()
+
+    def _travelling(self) -> tuple:
+        """The specs of the plan that travels, and where each CUDA tensor is quantized: the
+        planner's placements while its plan travels (None: on the tensor's device; the
+        exact and uniform plans keep that)."""
+        p, chosen = self.planned, self._chosen
+        if chosen is None or chosen == p.chosen:
+            return p.specs(), p.placements()
+        return [s if c else None for s, c in zip(p.eligible, chosen)], None
 
     def specs_now(self, specs: list) -> list:
-        if self._chosen is None:
-            return self.planned.specs()
-        return [s if c else None for s, c in zip(self.planned.eligible, self._chosen)]
-
-    def placements_now(self) -> Optional[list]:
-        """Where each tensor is quantized: the planner's placements while its plan travels
-        (None: on the tensor's device; the exact and uniform plans keep that)."""
-        if self._chosen is not None and self._chosen != self.planned.chosen:
-            return None
-        return self.planned.placements()
+        return self._specs if self._specs is not None else self._travelling()[0]
 
     def reduce(self, red, call: Call) -> None:
         self.begin_step(call.step, red)
-        now, where = self.specs_now(call.specs), self.placements_now()
+        now, where = self.specs_now(call.specs), self._where
         reduce_fused(self.cfg, red, call, [now[i] for i in call.idx],
                      None if where is None else [where[i] for i in call.idx])
         if not call.shadow:
@@ -271,6 +275,7 @@ class Planned(Mode):
             return
         same = state["planned"].get("names") == self.planned.names
         self.planned.load_state_dict(state["planned"])
+        self._specs = self._where = None  # read again at the next step
         # the trials of other gradients (parameters frozen or added since) do not apply:
         # this set is traced and planned again, then tried
         if self.decider is not None and "decider" in state and same:

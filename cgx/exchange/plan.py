@@ -94,7 +94,7 @@ def make_mode(mode: GradMode, settings: Settings, comp, names, shapes, specs, ba
         from cgx.planner.schedule import PlannedSchedule
         return Planned(settings, comp, PlannedSchedule(names, shapes, specs, comp,
                                                        base.inner_reduction,
-                                                       base.fusion_buffer_mb))
+                                                       base.fusion_buffer_mb, place=True))
     if mode is GradMode.SUMMABLE:
         return Summable(settings, comp)
     if mode is GradMode.PER_TENSOR:

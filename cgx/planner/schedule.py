@@ -74,11 +74,13 @@ class PlannedSchedule:
         settings: the :class:`PlannedCompression` settings.
         algorithm: the reducer's compressed algorithm (the option the planner weighs).
         fusion_mb: the optimizer's bucket size (the fusion groups the planner assumes).
+        place: weigh where each CUDA tensor is quantized (the exchange applies the plan's
+            :meth:`placements`): the device profile is measured once, at the first plan.
     """
 
     def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]], specs: Sequence,
                  settings: PlannedCompression, algorithm: ReductionType = ReductionType.SRA,
-                 fusion_mb: float = 64.0):
+                 fusion_mb: float = 64.0, place: bool = False):
         from cgx.planner.placement import DeviceProfile
         given = getattr(settings, "device_profile", None)
         if given is not None and not isinstance(given, DeviceProfile):
@@ -92,6 +94,8 @@ class PlannedSchedule:
         self.settings = settings
         self.family = _FAMILY.get(algorithm, "sra")
         self.fusion_mb = float(fusion_mb)
+        self.place = place
+        self._device = None  # the device profile the plans weigh (place: measured once)
         self.chosen: Optional[list[bool]] = None  # per tensor: compressed?
         self.cost: Optional[CostModel] = None  # the model of the last plan
         self.plan: Optional[ExchangePlan] = None
@@ -254,7 +258,9 @@ class PlannedSchedule:
                timeline=None) -> ExchangePlan:
         """Every rank at the same point: agree on the profile, measure, plan."""
         n = len(self.names)
-        ready, cost = agreed_profile(self._ready, self.settings, transport)
+        if self.place and self._device is None:
+            self._device = device_profile(self.settings, transport)
+        ready, cost = agreed_profile(self._ready, self.settings, transport, self._device)
         self.cost = cost
         # A factor layer (its rows seen) has sufficient factors among its options.
         rows = self._factor_rows
@@ -387,11 +393,13 @@ def _option_from_list(v: list) -> Option:
                   tuple((n, Collective(k)) for n, k in calls), float(cpu_s))
 
 
-def agreed_profile(ready_times: list, settings, transport) -> tuple[list, CostModel]:
+def agreed_profile(ready_times: list, settings, transport,
+                   device=None) -> tuple[list, CostModel]:
     """The ready times and the cost model every rank plans with: MAX over ranks of
     the latest ready time, the slowest quantizer and factor rebuild (as 1/throughput)
     and the most crowded host; the link measured (or ``assume_gbit``). ``ready_times``:
-    per tensor, this rank's traced ready times; ``settings``: the PlannedCompression."""
+    per tensor, this rank's traced ready times; ``settings``: the PlannedCompression;
+    ``device``: the device profile to weigh placements with (None: no choice)."""
     from cgx.comm.base import ReduceOp
     from cgx.planner.calibration import (compressor_throughput, contention, link_model,
                                          ranks_on_this_host)
@@ -412,7 +420,7 @@ def agreed_profile(ready_times: list, settings, transport) -> tuple[list, CostMo
     ready, inv = agreed[:n], agreed[n:]
     speeds = dict(compress_bps=1 / inv[0], decompress_bps=1 / inv[1], cast_bps=1 / inv[2],
                   contention=inv[3], matmul_flops=1 / inv[4])
-    speeds["device"] = device_profile(settings, transport)
+    speeds["device"] = device
     if settings.assume_gbit is not None:
         return ready, CostModel.uniform(transport.size, settings.assume_gbit, **speeds)
     return ready, CostModel(transport.size, link_model(transport), **speeds)
