@@ -55,14 +55,19 @@ class GroupLevels:
         self.error_feedback = error_feedback
         self.sizes: dict[str, int] = {}  # group -> buffer size, in first-step order
         self.schedule: Optional[AdaptiveSchedule] = None
+        self._index: dict[str, int] = {}  # group -> its place in the schedule
         self._latest = -1  # the latest step seen (its first reduce-scatter re-plans)
+        # the uniform default: what travels before the first plan
+        d = default_candidate(offered_families(self.settings.families, error_feedback),
+                              config, self.settings)
+        self._default = d.spec(self.settings.rounding or config.rounding)
 
     def spec(self, name: str, step: int, x: torch.Tensor, transport) -> Optional[QuantSpec]:
         """The level group ``name``'s buffer ``x`` travels at ``step`` (every rank calls it
         at each reduce-scatter, in the same order: a re-plan here is a collective)."""
         if self.schedule is None and (step == 0 or name not in self.sizes):
             self.sizes.setdefault(name, x.numel())
-            return None if step < self.settings.warmup_steps else self._default()
+            return None if step < self.settings.warmup_steps else self._default
         if self.schedule is None:
             self._build(step)
         sched = self.schedule
@@ -70,23 +75,18 @@ class GroupLevels:
             self._latest = step
             if sched.due(step):
                 sched.replan(step, transport, verbose=self.config.verbose)
-        i = sched.names.index(name) if name in sched.names else None
+        i = self._index.get(name)
         if i is None:  # a group first seen after the first step: the uniform default
-            return self._default()
+            return self._default
         sched.observe(step, [i], [x.detach().reshape(-1)])
         c = sched.choices(step)[i]
         return None if c is None else c.spec(sched.rounding)
-
-    def _default(self) -> Optional[QuantSpec]:
-        """The uniform default (what travels before the first plan)."""
-        d = default_candidate(offered_families(self.settings.families, self.error_feedback),
-                              self.config, self.settings)
-        return d.spec(self.settings.rounding or self.config.rounding)
 
     def _build(self, step: int) -> None:
         """The schedule of the groups seen so far; its window starts at ``step`` (the steps
         before ran the uniform default unmeasured: the first, or a resumed run's first)."""
         names = list(self.sizes)
+        self._index = {n: i for i, n in enumerate(names)}
         self.schedule = AdaptiveSchedule(names, [(self.sizes[n],) for n in names],
                                          [True] * len(names), self.settings, self.config,
                                          error_feedback=self.error_feedback)
