@@ -48,8 +48,8 @@ rules (``CGX_LAYER_CONFIG``) do not apply: a group's gradients travel as one fla
 
 Not supported (``ValueError`` from :func:`compress`): HSDP (a 2-D mesh with a replicate
 dimension), a mesh over other ranks than cgx's world, ``Compression.planned()``, top-k
-and PowerSGD, ``"auto"`` with ``cross_compression`` or ``objective="time"``. ``set_gradient_divide_factor`` with a quantized reduce-scatter fails at the
-first backward.
+and PowerSGD, ``"auto"`` with ``cross_compression`` or ``objective="time"``.
+``set_gradient_divide_factor`` with a quantized reduce-scatter fails at the first backward.
 """
 
 from __future__ import annotations
