@@ -1,10 +1,12 @@
 """Candidate compression levels per layer, with their exact wire sizes.
 
-Three families (and exact float32 for layers where nothing else fits):
+The families (and exact float32 for layers where nothing else fits):
 
 - quantization: bits x bucket size (the reducer's max-min quantizer, SRA);
 - top-k: densities (``TopKCompressor``: indices and values, one allgather);
-- PowerSGD: ranks of the low-rank factors (matrices only, where ``r (n + m) < n m``).
+- PowerSGD: ranks of the low-rank factors (matrices only, where ``r (n + m) < n m``);
+- 16-bit casts: float16 or bfloat16 on the wire (what DDP's fp16/bf16 hooks send), one
+  level each; offered by default to the deciding mode (``objective="time"``).
 
 A candidate's cost is what one rank sends per step (:meth:`Candidate.traffic`):
 the compressor's own payload size times its collective's traffic factor (an
@@ -35,6 +37,11 @@ class Family(enum.Enum):
     QUANTIZE = "quantize"  # max-min bucket quantization (bits, bucket size)
     TOPK = "topk"  # the largest magnitudes and their positions (density)
     POWERSGD = "powersgd"  # low-rank factors P, Q (rank)
+    FP16 = "fp16"  # float16 on the wire (predivided by the world size, as Compression.fp16)
+    BF16 = "bf16"  # bfloat16 on the wire
+
+
+CASTS = (Family.FP16, Family.BF16)  # the 16-bit cast families (one level each)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +73,8 @@ class Candidate:
         numel = shape if isinstance(shape, int) else math.prod(shape)
         if self.family is Family.EXACT:
             return 4 * numel
+        if self.family in CASTS:
+            return 2 * numel
         if self.family is Family.QUANTIZE:
             return QuantSpec(self.bits, self.bucket_size).nbytes(numel)
         if self.family is Family.TOPK:
@@ -88,6 +97,8 @@ class Candidate:
             return f"top {100 * self.density:g}%"
         if self.family is Family.POWERSGD:
             return f"rank {self.rank}"
+        if self.family in CASTS:
+            return self.family.value
         return f"{self.bits}-bit/{self.bucket_size}"
 
     def as_list(self) -> list:
@@ -154,6 +165,7 @@ def candidates_for(shape: Sequence[int], families: Sequence[Family],
         for r in ranks:
             if int(r) <= min(n, m) and int(r) * (n + m) < n * m:
                 out.append(Candidate(Family.POWERSGD, rank=int(r)))
+    out += [Candidate(f) for f in CASTS if f in families]
     return out
 
 

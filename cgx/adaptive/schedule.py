@@ -277,6 +277,15 @@ class AdaptiveSchedule:
                 total += errs[j]
         return total
 
+    def measured_error(self, i: int, c: Candidate) -> Optional[float]:
+        """Layer ``i``'s measured error with candidate ``c`` in the last plan's window
+        (None: not measured, or ``c`` is not among its candidates)."""
+        pos = self._position[i]
+        row = (self._errors or {}).get(i)
+        if row is None or pos is None or c not in pos:
+            return None
+        return row[0][pos[c]]
+
     def _clear_window(self) -> None:
         """Forget the window's measurements (the warm start of the PowerSGD scorer stays)."""
         self._sums.clear()

@@ -166,7 +166,9 @@ def solve(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
     if not budget >= 0:
         raise ValueError(f"budget must be >= 0, got {budget!r}")
     costs = [np.asarray(c, dtype=np.float64) for c in costs]
-    errors = [np.asarray(e, dtype=np.float64) for e in errors]
+    # a non-finite error (a cast that overflowed) is never within any budget
+    errors = [np.where(np.isnan(e), np.inf, e) for e in
+              (np.asarray(e, dtype=np.float64) for e in errors)]
 
     def total(choice):
         return (float(sum(c[j] for c, j in zip(costs, choice))),
@@ -175,11 +177,12 @@ def solve(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
     best = None
     if budget > 0:
         unit = budget / units
-        choice = _dp(costs, [np.ceil(e / unit - 1e-9).astype(np.int64) for e in errors], units,
-                     native)
+
+        def discrete(rounded):  # in units, beyond the capacity clipped (never chosen)
+            return [np.minimum(rounded(e), units + 1).astype(np.int64) for e in errors]
+        choice = _dp(costs, discrete(lambda e: np.ceil(e / unit - 1e-9)), units, native)
         if choice is None:  # rounding up cost too much: round to nearest, then check
-            choice = _dp(costs, [np.rint(e / unit).astype(np.int64) for e in errors], units,
-                         native)
+            choice = _dp(costs, discrete(lambda e: np.rint(e / unit)), units, native)
         if choice is not None and total(choice)[1] <= budget * (1 + 1e-12):
             best = choice
     else:  # only zero-error candidates fit

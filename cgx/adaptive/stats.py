@@ -11,7 +11,9 @@ sends for ``g``:
   the squared values (every density at once);
 - PowerSGD: one power iteration from the warm start, as the exchange runs it
   (:class:`PowerSGDScorer`: the warm start follows the window's gradients,
-  one iteration per step, and survives from one window to the next).
+  one iteration per step, and survives from one window to the next);
+- 16-bit casts: the cast of the gradient and back (:func:`cast_error`); a value
+  beyond float16's range makes the error infinite (the solver never picks it).
 
 The window's gradients are measured one step at a time, not summed: a sum over
 ``n`` steps is less noisy and of lower rank than each step's gradient, which
@@ -65,6 +67,20 @@ def quantization_error(x: torch.Tensor, spec: QuantSpec, threads: int = 1,
     y = x.clone()
     quantize(y, spec, write_back=True, threads=threads, key=key)
     return float(torch.linalg.vector_norm(y - x))
+
+
+CAST_DTYPES = {Family.FP16: torch.float16, Family.BF16: torch.bfloat16}
+
+
+def cast_error(x: torch.Tensor, family: Family) -> float:
+    """``||cast(x) - x||`` for a 16-bit cast family (infinite when a value overflows it).
+
+    The gradient itself is cast: the exchange divides by the world size first
+    (``Compression.fp16``'s predivide), which moves only values near either end of the
+    range (exactly none for a power-of-two world)."""
+    v = x.detach().reshape(-1).float()
+    err = float((v.to(CAST_DTYPES[family]).float() - v).norm())
+    return err if math.isfinite(err) else math.inf
 
 
 def topk_errors(x: torch.Tensor, ks: Sequence[int]) -> list[float]:
@@ -143,6 +159,8 @@ def candidate_errors(grad: torch.Tensor, candidates: Sequence[Candidate], *,
         if c.family is Family.QUANTIZE:
             out[i] = quantization_error(grad, QuantSpec(c.bits, c.bucket_size, rounding),
                                         threads, key)
+        elif c.family in CAST_DTYPES:
+            out[i] = cast_error(grad, c.family)
     return out
 
 

@@ -89,14 +89,15 @@ class Compression:
         return _with_warmup(comp, warmup_steps)
 
     @staticmethod
-    def auto(alpha: float = 1.0, families=("quantize", "topk", "powersgd"), window: int = 10,
+    def auto(alpha: float = 1.0, families=None, window: int = 10,
              adjust_every: int = 1000, warmup_steps: int = 0, **kwargs) -> Compressor:
         """Per-layer levels chosen automatically within an error budget (L-GreCo).
 
         Every ``adjust_every`` steps, from gradients accumulated over ``window``
         steps, each layer gets the level that minimizes the bytes sent while the
         total error stays within ``alpha`` times the uniform default's. By default a
-        layer may pick any family (quantization, top-k or PowerSGD). See
+        layer may pick quantization, top-k or PowerSGD, and with ``objective="time"``
+        the 16-bit casts (fp16, bf16) too. See
         :class:`AutoCompression` and :mod:`cgx.adaptive`.
         """
         return AutoCompression(alpha=alpha, families=families, window=window,

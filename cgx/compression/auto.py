@@ -13,7 +13,8 @@ from cgx.compression.policy import Policy
 from cgx.compression.trials import TrialSettings
 from cgx.config import AutoObjective, Rounding
 
-FAMILIES = ("quantize", "topk", "powersgd")  # families cgx.adaptive chooses from
+FAMILIES = ("quantize", "topk", "powersgd")  # families cgx.adaptive chooses from by default
+CASTS = ("fp16", "bf16")  # 16-bit casts: offered too, by default with objective="time"
 # "exact" alone: every layer travels exact through auto's path (it measures and plans, and
 # exact is the only level): a check of that path against the plain exact exchange.
 EXACT = "exact"
@@ -36,9 +37,9 @@ def _check_families(families) -> tuple:
     if not fams:
         raise ValueError("families is empty; name at least one, e.g. families=('quantize',)")
     for f in fams:
-        if str(f).lower() not in FAMILIES + (EXACT,):
+        if str(f).lower() not in FAMILIES + CASTS + (EXACT,):
             raise ValueError(f"unknown compressor family {f!r} for Compression.auto; "
-                             f"expected one of: {', '.join(FAMILIES)}, or "
+                             f"expected one of: {', '.join(FAMILIES + CASTS)}, or "
                              f"families=('{EXACT}',) for no compression at all")
     return tuple(str(f).lower() for f in fams)
 
@@ -75,8 +76,10 @@ class AutoCompression(Policy):
             the uniform default (``CGX_COMPRESSION_QUANTIZATION_BITS`` /
             ``..._BUCKET_SIZE``); > 0. 1.0: as accurate as the default, fewer bytes.
         families: compressor families a layer may pick from: ``"quantize"``,
-            ``"topk"``, ``"powersgd"`` (default: all three, the mixed mode; one
-            family alone compares with L-GreCo's single-family modes). Without error
+            ``"topk"``, ``"powersgd"``, ``"fp16"``, ``"bf16"`` (default: the first three,
+            the mixed mode, and with ``objective="time"`` the two 16-bit casts too, so that
+            the deciding mode weighs what DDP's fp16/bf16 hooks send; one family alone
+            compares with L-GreCo's single-family modes). Without error
             feedback (Adam-type optimizers), top-k and PowerSGD are offered only when
             quantization is not (they are biased without it; see
             :func:`cgx.adaptive.schedule.offered_families`). ``("exact",)``:
@@ -120,7 +123,7 @@ class AutoCompression(Policy):
 
     name = "auto"
 
-    def __init__(self, alpha: float = 1.0, families: Sequence[str] = FAMILIES,
+    def __init__(self, alpha: float = 1.0, families: Optional[Sequence[str]] = None,
                  window: int = 10, adjust_every: int = 1000, warmup_steps: int = 0,
                  bits: Sequence[int] = (2, 3, 4, 5, 6, 8),
                  bucket_sizes: Sequence[int] = (128, 512, 1024, 4096),
@@ -134,7 +137,9 @@ class AutoCompression(Policy):
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
             raise ValueError(f"alpha={alpha!r} must be a number > 0: the plan's error may be "
                              "alpha times the uniform default's (1.0: as accurate)")
-        fams = _check_families(families)
+        objective = _objective(objective)
+        fams = _check_families(families if families is not None else
+                               FAMILIES + CASTS * (objective is Objective.TIME))
         for name, v, lo in (("window", window, 1), ("adjust_every", adjust_every, 1),
                             ("warmup_steps", warmup_steps, 0)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -157,7 +162,7 @@ class AutoCompression(Policy):
         if error_feedback is not None and not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True, False or None, got "
                             f"{error_feedback!r}")
-        self.objective = _objective(objective)
+        self.objective = objective
         self.trials = TrialSettings(steps=trial_steps, recheck_every=recheck_every,
                                     drift_tolerance=drift_tolerance,
                                     warmup_steps=trial_warmup_steps)

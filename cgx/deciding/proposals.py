@@ -11,7 +11,13 @@ per gradient. The proposals of one round:
 - ``fewest bytes``: auto's knapsack (:mod:`cgx.adaptive`): the fewest bytes within the error
   budget, every family offered;
 - ``planner + fewest bytes``: the knapsack with the planner's exact tensors kept exact, their
-  share of the budget spent on the others.
+  share of the budget spent on the others;
+- ``16-bit``: every gradient cast to 16 bits in fused buckets (what DDP's fp16/bf16 hooks
+  send), each layer by the cast it lost least to (fp16, unless a value overflowed it);
+- ``planner, 16-bit for exact``: the planner's choice with its exact tensors cast to 16 bits.
+
+The 16-bit plans are proposed when the casts are among the families (by default with
+``objective="time"``).
 
 Each plan's error is the sum of its layers' measured errors (auto's table, combined over
 ranks), its step the planner's simulation of it (its timeline, the calibrated link and
@@ -22,9 +28,10 @@ proposes the same plans.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Sequence
 
-from cgx.adaptive.candidates import Candidate, Family
+from cgx.adaptive.candidates import CASTS, Candidate, Family
 from cgx.deciding.trials import PlanRecord
 from cgx.planner.costs import Collective, OptionMaker
 from cgx.planner.simulator import simulate
@@ -43,6 +50,10 @@ def _option(c: Optional[Candidate], t, makers: dict, world: int):
     m = makers["exact"]
     if c is None or c.family is Family.EXACT:
         return m(t)[0]
+    if c.family in CASTS:  # the planner's fp16 option: a cast each way, 2 bytes a value
+        if "cast" not in makers:
+            makers["cast"] = OptionMaker(m.m, (4,), ("exact", "fp16"))
+        return makers["cast"](t)[-1]
     if c.family is Family.QUANTIZE:
         key = ("q", c.bits)
         if key not in makers:
@@ -79,6 +90,17 @@ def distinct(plans):
             yield label, kind, plan
 
 
+def sixteen_bit(adaptive, i: int) -> Optional[Candidate]:
+    """Layer ``i``'s 16-bit cast with the smaller measured error (fp16 first among equals;
+    None: no cast offered, not measured, or every cast overflowed)."""
+    best, best_error = None, math.inf
+    for f in CASTS:
+        error = adaptive.measured_error(i, Candidate(f))
+        if error is not None and error < best_error:
+            best, best_error = Candidate(f), error
+    return best
+
+
 def error_budget(adaptive) -> float:
     """``alpha`` times the uniform default's measured error: what no kept plan exceeds."""
     return adaptive.settings.alpha * adaptive.plan_error(adaptive.reference)
@@ -102,6 +124,12 @@ def propose(adaptive, planned, fewest: Sequence, world: int,
              ("planner", "model", time_plan),
              ("fewest bytes", "model", list(fewest)),
              ("planner + fewest bytes", "model", adaptive.alternative(hidden, fewest))]
+    casts = [sixteen_bit(adaptive, i) for i in range(len(uniform))]
+    if any(c is not None for c in casts):
+        plans += [("16-bit", "model", [c or ref for c, ref in zip(casts, uniform)]),
+                  ("planner, 16-bit for exact", "model",
+                   [c if (p == exact and c is not None) else p
+                    for c, p in zip(casts, time_plan)])]
     budget = error_budget(adaptive)
     out = []
     for label, kind, plan in distinct(plans):

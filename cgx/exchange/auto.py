@@ -2,10 +2,11 @@
 (``cgx.adaptive``), optionally with the planner (``Compression.auto(planner=True)``).
 
 Each call reduces each family's tensors together: quantized and exact ones in one fused
-call, top-k ones in one allgather, PowerSGD ones in two allreduces (that order on every
-rank). Residuals stay with their family while a layer keeps it (a new quantization level,
-top-k density or PowerSGD rank keeps them; PowerSGD also keeps its warm start). When a
-layer changes family, what its old compressor still owed is added once to its next
+call, top-k ones in one allgather, PowerSGD ones in two allreduces, then the fp16 ones and
+the bf16 ones in one allreduce each (that order on every rank). Residuals stay with
+their family while a layer keeps it (a new quantization level, top-k density or PowerSGD
+rank keeps them; PowerSGD also keeps its warm start; a cast keeps none). When a layer
+changes family, what its old compressor still owed is added once to its next
 gradient, which the new compressor then carries (and, with error feedback, owes in its
 turn). Every family's residual is in input units (after the ``1 / predivide`` prescale),
 so what is owed is exactly what was dropped, whichever chunk of the fused reduction the
@@ -17,14 +18,35 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+import torch
+
 from cgx.adaptive import AdaptiveSchedule
-from cgx.adaptive.candidates import Family
+from cgx.adaptive.candidates import CASTS, Family
 from cgx.compression import ErrorFeedback
 from cgx.compression.auto import Objective
 from cgx.compression.planned import PlannedCompression
 from cgx.deciding import Decider
 from cgx.exchange.modes import Call, GradMode, Mode, Settings, reduce_family, reduce_fused
 from cgx.quant.codec import QuantSpec
+
+
+# The families reduced apart from the fused quantized/exact call, in this order.
+SEPARATE = (Family.TOPK, Family.POWERSGD, *CASTS)
+
+
+class FusedCast:
+    """A 16-bit cast family's tensors in one allreduce: concatenated in float32, then
+    ``Compression.fp16``'s (or bf16's) reduction of the whole (predivided by the world
+    size, summed on the wire, scaled back), as DDP's fp16/bf16 hooks do per bucket."""
+
+    def __init__(self, family: Family):
+        from cgx.compression.casts import BF16Compressor, FP16Compressor
+        self.compressor = FP16Compressor() if family is Family.FP16 else BF16Compressor()
+
+    def allreduce_many(self, ws: list, transport, names: list, op) -> list:
+        flat = torch.cat([w.detach().reshape(-1).float() for w in ws])
+        out = self.compressor.allreduce(flat, transport, op=op)
+        return list(out.split([w.numel() for w in ws]))
 
 
 def _planner_for(adaptive: AdaptiveSchedule, comp, names, shapes, base):
@@ -68,6 +90,7 @@ class Auto(Mode):
         self.topk = ErrorFeedback(TopKCompressor())
         self.powersgd = PowerSGDCompressor(min_compression_rate=0.0,
                                            error_feedback=cfg.error_feedback)
+        self.casts = {f: FusedCast(f) for f in CASTS}
         deciding = compression.objective is Objective.TIME
         self.planned = _planner_for(self.adaptive, compression, self.names, shapes,
                                     base) if compression.planner or deciding else None
@@ -126,19 +149,22 @@ class Auto(Mode):
             if sched.observing(call.step):  # the gradients alone (see cgx.adaptive.stats)
                 sched.observe(call.step, call.idx, call.work)
             self.cfg.store.add_owed(call.work, call.names)
-        plain = [k for k in range(len(call.work)) if fam[k] not in (Family.TOPK,
-                                                                     Family.POWERSGD)]
+        plain = [k for k in range(len(call.work)) if fam[k] not in SEPARATE]
         if plain:
             sub = Call([call.work[k] for k in plain], [call.idx[k] for k in plain],
                        [call.names[k] for k in plain], [], call.step, call.shadow, call.label)
             reduce_fused(self.cfg, red, sub, [chosen[k].spec(sched.rounding)
                                               if fam[k] is Family.QUANTIZE else None
                                               for k in plain])
-        for family in (Family.TOPK, Family.POWERSGD):
+        for family in SEPARATE:
             ks = [k for k in range(len(call.work)) if fam[k] is family]
-            if ks:
-                self._reduce_family(red, family, [call.work[k] for k in ks],
-                                    [call.names[k] for k in ks], [chosen[k] for k in ks],
+            if not ks:
+                continue
+            ws, names = [call.work[k] for k in ks], [call.names[k] for k in ks]
+            if family in CASTS:  # no state: a joined rank's zeros travel the same way
+                reduce_family(self.cfg, red, self.casts[family], ws, names)
+            else:
+                self._reduce_family(red, family, ws, names, [chosen[k] for k in ks],
                                     call.shadow)
 
     def _reduce_family(self, red, family: Family, ws: list, names: list, chosen: list,
