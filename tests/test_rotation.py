@@ -123,6 +123,32 @@ def test_c_rotation_threads_and_specials():
                            reference.rotate(special, 8, 3, inverse))
 
 
+def _c_rotate(x: torch.Tensor, block: int, key: int, inverse: bool, cuts=()) -> torch.Tensor:
+    """cgx_rotate on a copy of ``x`` with Hadamard blocks of ``block`` values (any power of
+    two, also those below the 8 of cpu.rotate's smallest bucket), its units split at ``cuts``."""
+    v = x.clone()
+    n = v.numel()
+    bounds = [0, *cuts, n // block + (n % block != 0)]
+    for u0, u1 in zip(bounds, bounds[1:]):
+        assert cpu._require().cgx_rotate(v.data_ptr(), n, block, key, int(inverse), u0, u1) == 0
+    return v
+
+
+@pytest.mark.parametrize("block", [1, 2, 4, 8, 16, 32, 64, 1024, 4096])
+def test_c_rotation_bit_exact_on_blocks_and_tails(block):
+    assert cpu.available(), cpu.unavailable_reason()
+    key = 0xA5A5A5A5
+    for n in sorted({1, 7, 31, 33, 100, block + 1, 3 * block + block // 2 + 5, 20_001}):
+        x = outliers(n, seed=n + block)  # odd sizes: tails of every smaller power of two
+        for inverse in (False, True):
+            expect = reference.rotate(x, block, key, inverse)  # a bucket of `block` values
+            assert_same_values(_c_rotate(x, block, key, inverse), expect)
+            units = n // block + (n % block != 0)
+            if units >= 3:  # unit ranges (the threads' pieces) starting anywhere
+                cuts = (units // 3, 2 * units // 3)
+                assert_same_values(_c_rotate(x, block, key, inverse, cuts), expect)
+
+
 def test_non_finite_values_decode_to_nan_in_their_bucket():
     x = randn(256, seed=3)
     x[70] = float("inf")
