@@ -14,7 +14,7 @@ Names:
         the model proposes whole plans, trials keep the fastest within the error budget
     cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming, torch-postlocal-sgd[-h<N>]
         local steps with periodic outer updates (benchmarks/timetoacc/methods_diloco.py)
-    fsdp-fp32, fsdp-bf16, cgx-fsdp-8bit, cgx-fsdp-4bit, cgx-fsdp-hier
+    fsdp-fp32, fsdp-bf16, cgx-fsdp-8bit, cgx-fsdp-4bit, cgx-fsdp-hier, cgx-fsdp-4bit-p8
         sharded training, FSDP2's reduce-scatter or cgx's (benchmarks/timetoacc/methods_fsdp.py)
 
 Every method reports the bytes it accounts for (cgx: its own statistics;

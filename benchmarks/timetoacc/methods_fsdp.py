@@ -8,6 +8,8 @@ Names:
     cgx-fsdp-8bit    ``cgx.torch.fsdp.compress``: 8-bit reduce-scatter, error feedback
     cgx-fsdp-4bit    4-bit, error feedback
     cgx-fsdp-hier    8-bit among the ranks of a host, 4-bit between hosts (one host: 8-bit)
+    cgx-fsdp-4bit-p8 4-bit reduce-scatter and the parameters' all-gather at 8 bits
+                     (``params_bits=8``; ZeRO++'s qgZ + qwZ pairing)
 
 Every rank evaluates (a sharded model's forward all-gathers the parameters on all ranks).
 Bytes of the training steps: FSDP2's own collectives counted as Gloo's ring sends them
@@ -17,7 +19,8 @@ reduce-scatter by ``hvd.stats()``.
 
 from __future__ import annotations
 
-FSDP_METHODS = ("fsdp-fp32", "fsdp-bf16", "cgx-fsdp-8bit", "cgx-fsdp-4bit", "cgx-fsdp-hier")
+FSDP_METHODS = ("fsdp-fp32", "fsdp-bf16", "cgx-fsdp-8bit", "cgx-fsdp-4bit", "cgx-fsdp-hier",
+                "cgx-fsdp-4bit-p8")
 
 
 def handles(name: str) -> bool:
@@ -49,6 +52,22 @@ class _Counted:
                                       async_op=async_op)
 
 
+class _CountedQuantized:
+    """cgx's quantized all-gather of parameters, counting what this rank sends in Gloo's
+    ring: its quantized shard to each of the other ``W - 1`` ranks."""
+
+    def __init__(self, gather, spec, counter: _Counted):
+        self.gather, self.spec, self.counter = gather, spec, counter
+
+    def allocate(self, size, *, dtype, device):
+        return self.gather.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        if not self.counter.paused and input_tensor.is_floating_point():
+            self.counter.sent += (group.size() - 1) * self.spec.nbytes(input_tensor.numel())
+        return self.gather(output_tensor, input_tensor, group, async_op=async_op)
+
+
 def _units(model):
     """What gets its own ``fully_shard``: transformer layers, else the top-level children."""
     import torch.nn as nn
@@ -76,15 +95,22 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
         import cgx.torch as hvd
         import cgx.torch.fsdp
         hvd.init()
-        q = {"cgx-fsdp-8bit": 8, "cgx-fsdp-4bit": 4, "cgx-fsdp-hier": 8}[name]
+        q = {"cgx-fsdp-8bit": 8, "cgx-fsdp-4bit": 4, "cgx-fsdp-hier": 8,
+             "cgx-fsdp-4bit-p8": 4}[name]
         cross = hvd.Compression.quantize(bits=4, error_feedback=True) \
             if name == "cgx-fsdp-hier" else None
-        cgx.torch.fsdp.compress(model, compression=hvd.Compression.quantize(
-            bits=q, error_feedback=True), cross_compression=cross)
+        params_bits = 8 if name.endswith("-p8") else None
+        state = cgx.torch.fsdp.compress(model, compression=hvd.Compression.quantize(
+            bits=q, error_feedback=True), cross_compression=cross, params_bits=params_bits)
         start = hvd.stats().wire_bytes
-    for m in model.modules():
+    for n, m in model.named_modules():
         if isinstance(m, FSDPModule):
-            m.set_custom_all_gather(gathers)
+            if start is not None and state.params_spec is not None:
+                m.set_custom_all_gather(_CountedQuantized(
+                    cgx.torch.fsdp.CGXAllGather(state, n or "<root>"), state.params_spec,
+                    gathers))
+            else:
+                m.set_custom_all_gather(gathers)
             if start is None:
                 m.set_custom_reduce_scatter(scatters)
 
