@@ -270,3 +270,44 @@ def test_error_feedback_telescopes():
     assert torch.equal(with_ef[0][0], with_ef[1][0])
     assert err_ef <= 2 * one_step, (err_ef, one_step)
     assert err_plain > 5 * err_ef, (err_plain, err_ef)
+
+
+def _residual_worker(rank, world, hierarchy):
+    from cgx.comm.torch_dist import TorchTransport
+    from cgx.collectives import Reducer
+
+    t = TorchTransport()
+    two_level = Reducer(t, Config(seed=7, hierarchical=Hierarchy(hierarchy)),
+                        local=t.split([[0, 1], [2, 3]]), cross=t.split([[0, 2], [1, 3]]))
+    flat = Reducer(t, Config(seed=7, hierarchical=Hierarchy.OFF))
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(5000, generator=g)
+    spec = [QuantSpec(4, 512, NEAREST)]
+    out = {"hierarchical": two_level.hierarchical}
+    try:
+        a, ea = [x.clone()], [torch.zeros(5000)]
+        two_level.allreduce(a, spec, algorithm=ReductionType.SRA, residuals=ea, name="g")
+    except ValueError as err:
+        out["error"] = str(err)
+        return out
+    b, eb = [x.clone()], [torch.zeros(5000)]
+    flat.allreduce(b, spec, algorithm=ReductionType.SRA, residuals=eb, name="g")
+    c = [x.clone()]
+    two_level.allreduce(c, spec, algorithm=ReductionType.SRA, name="g")  # no residuals
+    d = [x.clone()]
+    flat.allreduce(d, spec, algorithm=ReductionType.SRA, name="g")
+    out.update(same=torch.equal(a[0], b[0]) and torch.equal(ea[0], eb[0]),
+               residual=float(ea[0].abs().max()), two_level_differs=not torch.equal(c[0], d[0]))
+    return out
+
+
+@pytest.mark.multiproc
+def test_error_feedback_reduces_flat_on_several_hosts_unless_two_levels_are_asked_for():
+    # CGX_HIERARCHICAL=auto on 2 hosts x 2 ranks: a call with residuals goes flat (the same
+    # result and residuals as the flat reducer's), one without goes in two levels
+    for r in run_gloo(_residual_worker, 4, "auto"):
+        assert r["hierarchical"] and r["same"] and r["residual"] > 0
+        assert r["two_level_differs"]
+    # asked for explicitly: the error says what to change
+    for r in run_gloo(_residual_worker, 4, "on"):
+        assert "CGX_HIERARCHICAL=auto" in r["error"]

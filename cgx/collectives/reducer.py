@@ -347,9 +347,14 @@ class Reducer:
         """The compressed tensors ``comp`` of a call, reduced; their float32 ring bytes."""
         views = [tensors[i].view(-1) for i in comp]
         segs = tuple((v.numel(), specs[i]) for v, i in zip(views, comp))
-        res = _check_residuals(residuals, tensors, comp, algorithm, self.hierarchical)
+        # Error feedback keeps what one quantization dropped, which a two-level reduction
+        # (several quantizations) cannot hand back: unless asked for (CGX_HIERARCHICAL=on),
+        # a call with residuals reduces flat.
+        hierarchical = self.hierarchical and (residuals is None or
+                                              self.config.hierarchical is Hierarchy.ON)
+        res = _check_residuals(residuals, tensors, comp, algorithm, hierarchical)
         self._compressed(views, segs, algorithm, scale, buffer_id, timer, res, step,
-                         offload.placements_of(placements, len(tensors), comp))
+                         offload.placements_of(placements, len(tensors), comp), hierarchical)
         if res is not None:
             _sanitize_residuals(res)
         return _plain_wire_bytes(sum(v.numel() * 4 for v in views), self.transport.size)
@@ -376,8 +381,8 @@ class Reducer:
                                  threads=self.config.cpu_threads)
 
     def _compressed(self, views, segs, algorithm, scale, buffer_id, timer, residuals,
-                    step, placements=None) -> None:
-        if not self.hierarchical:
+                    step, placements=None, hierarchical: bool = False) -> None:
+        if not hierarchical:
             ctx = self._ctx(views, self.transport, scale, buffer_id, timer, step)
             ctx.residuals, ctx.placements = residuals, placements
             self._run(algorithm, ctx, segs, self.transport.size)
@@ -445,7 +450,8 @@ def _check_residuals(residuals, tensors, comp, algorithm, hierarchical: bool):
     if algorithm is ReductionType.RING or hierarchical:
         raise ValueError("error feedback inside the collective works with the SRA and "
                          "ALLGATHER algorithms, not with RING or hierarchical reduction: set "
-                         "CGX_INNER_REDUCTION_TYPE=sra or turn error feedback off")
+                         "CGX_INNER_REDUCTION_TYPE=sra and CGX_HIERARCHICAL=auto (a call with "
+                         "residuals then reduces flat), or turn error feedback off")
     out = []
     for i in comp:
         e = residuals[i]
