@@ -99,8 +99,9 @@ class CompensationChoice(enum.Enum):
 class Hierarchy(enum.Enum):
     """Two-level reduction: inside a node, then across nodes (``CGX_HIERARCHICAL``)."""
 
-    AUTO = "auto"  # on when there are several nodes with several ranks each
-    ON = "on"
+    AUTO = "auto"  # on when there are several nodes with several ranks each (calls with
+    # error-feedback residuals reduce flat: two levels quantize more than once)
+    ON = "on"  # always (error feedback refused)
     OFF = "off"
 
 
