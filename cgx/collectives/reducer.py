@@ -381,7 +381,7 @@ class Reducer:
                                  threads=self.config.cpu_threads)
 
     def _compressed(self, views, segs, algorithm, scale, buffer_id, timer, residuals,
-                    step, placements=None, hierarchical: bool = False) -> None:
+                    step, placements, hierarchical: bool) -> None:
         if not hierarchical:
             ctx = self._ctx(views, self.transport, scale, buffer_id, timer, step)
             ctx.residuals, ctx.placements = residuals, placements
