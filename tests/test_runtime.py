@@ -420,3 +420,17 @@ def test_exit_under_mpi_closes_unless_failing(monkeypatch, failing):
     rt._at_exit()
     assert not rt.is_initialized()
     assert tr.closed is (not failing)
+
+
+def test_torch_transport_uses_the_older_collective_names_on_torch_before_2_13():
+    """torch <= 2.12 has all_gather_into_tensor / reduce_scatter_tensor only (the GPU image's
+    torch 2.11 among them): the transport and cgx.torch.fsdp fall back to them."""
+    import types
+
+    import torch.distributed as dist
+
+    from cgx.comm.torch_dist import all_gather_single, one_tensor_collectives
+    older = types.SimpleNamespace(all_gather_into_tensor=object(), reduce_scatter_tensor=object())
+    assert one_tensor_collectives(older) == (older.all_gather_into_tensor,
+                                             older.reduce_scatter_tensor)
+    assert all_gather_single is dist.all_gather_single  # torch 2.13's own, not the deprecated

@@ -29,7 +29,7 @@ def handles(name: str) -> bool:
 
 
 class _Counted:
-    """FSDP2's own collective (``dist.all_gather_single`` or ``reduce_scatter_single``),
+    """FSDP2's own collective (all-gather or reduce-scatter),
     counting what this rank sends in Gloo's ring."""
 
     def __init__(self, reduce: bool):
@@ -40,16 +40,15 @@ class _Counted:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op=None, async_op=False):
-        import torch.distributed as dist
+        from cgx.comm.torch_dist import all_gather_single, reduce_scatter_single
         W = group.size()
         full = input_tensor if self.reduce else output_tensor
         if not self.paused:
             self.sent += (W - 1) / W * full.numel() * full.element_size()
         if self.reduce:
-            return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
-                                              async_op=async_op)
-        return dist.all_gather_single(output_tensor, input_tensor, group=group,
-                                      async_op=async_op)
+            return reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
+                                         async_op=async_op)
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _CountedQuantized:

@@ -17,6 +17,17 @@ from cgx.comm.base import ReduceOp, Transport, Work, scale_
 # Gloo has no int16 kernels ("Invalid scalar type"): reduce a wider copy, move raw bytes.
 _REDUCE_VIA = {torch.int16: torch.int32}
 
+# torch 2.13 names the one-tensor collectives all_gather_single and reduce_scatter_single
+# (and deprecates the old names); earlier releases have only all_gather_into_tensor and
+# reduce_scatter_tensor, with the same arguments.
+def one_tensor_collectives(d=dist) -> tuple:
+    """(all-gather, reduce-scatter) of one tensor each way, in ``d``'s names."""
+    return (getattr(d, "all_gather_single", None) or d.all_gather_into_tensor,
+            getattr(d, "reduce_scatter_single", None) or d.reduce_scatter_tensor)
+
+
+all_gather_single, reduce_scatter_single = one_tensor_collectives()
+
 _OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
     ReduceOp.MIN: dist.ReduceOp.MIN,
@@ -84,7 +95,7 @@ class TorchTransport(Transport):
         return _TorchWork([work]) if async_op else None
 
     def allgather(self, output, input, async_op=False):
-        work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
+        work = all_gather_single(output, input, group=self.group, async_op=async_op)
         return _TorchWork([work]) if async_op else None
 
     def allreduce(self, tensor, op=ReduceOp.SUM, async_op=False):

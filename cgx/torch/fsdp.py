@@ -66,6 +66,7 @@ from torch.distributed.tensor import DTensor
 from cgx import runtime, session
 from cgx.adaptive.groups import GroupLevels
 from cgx.collectives import reduce_scatter as rs
+from cgx.comm.torch_dist import all_gather_single, reduce_scatter_single
 from cgx.collectives.sharded import Levels, ShardState, Topology, all_gather_flat, \
     reduce_scatter_flat
 from cgx.compression import (AutoCompression, Compression, CompressorKind, ErrorFeedback,
@@ -214,7 +215,7 @@ class CGXReduceScatter:
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         levels = self.owner.levels
         if levels is None:
-            return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
+            return reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
                                               async_op=async_op)
         average = _is_average(op)
         t0 = time.perf_counter()
@@ -251,8 +252,8 @@ class CGXAllGather:
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         if not input_tensor.is_floating_point():
-            return dist.all_gather_single(output_tensor, input_tensor, group=group,
-                                          async_op=async_op)
+            return all_gather_single(output_tensor, input_tensor, group=group,
+                                     async_op=async_op)
         _run_ordered(all_gather_flat, input_tensor, output_tensor, runtime.transport(),
                      self.owner.params_spec, self.owner.group(self.name),
                      threads=runtime.config().cpu_threads, label=f"fsdp all_gather {self.name}")
