@@ -22,6 +22,7 @@ import torch
 
 from cgx.adaptive import AdaptiveSchedule
 from cgx.adaptive.candidates import CASTS, Family
+from cgx.comm.base import ReduceOp
 from cgx.compression import ErrorFeedback
 from cgx.compression.auto import Objective
 from cgx.compression.planned import PlannedCompression
@@ -35,18 +36,48 @@ SEPARATE = (Family.TOPK, Family.POWERSGD, *CASTS)
 
 
 class FusedCast:
-    """A 16-bit cast family's tensors in one allreduce: concatenated in float32, then
-    ``Compression.fp16``'s (or bf16's) reduction of the whole (predivided by the world
-    size, summed on the wire, scaled back), as DDP's fp16/bf16 hooks do per bucket."""
+    """A 16-bit cast family's tensors in one allreduce: ``Compression.fp16``'s (or bf16's)
+    reduction of their concatenation (predivided by the world size, summed on the wire,
+    scaled back), as DDP's fp16/bf16 hooks do per bucket.
+
+    Float32 gradients take one pass each way: each is divided and cast straight into a
+    wire-type buffer kept between calls, and the sum is cast back into the gradient
+    itself (float32 math, so the values are the compressor's bit for bit). Other dtypes
+    go through the compressor on a float32 concatenation."""
 
     def __init__(self, family: Family):
         from cgx.compression.casts import BF16Compressor, FP16Compressor
         self.compressor = FP16Compressor() if family is Family.FP16 else BF16Compressor()
+        self._wire: Optional[torch.Tensor] = None  # the wire-type buffer, grown as needed
 
     def allreduce_many(self, ws: list, transport, names: list, op) -> list:
-        flat = torch.cat([w.detach().reshape(-1).float() for w in ws])
-        out = self.compressor.allreduce(flat, transport, op=op)
-        return list(out.split([w.numel() for w in ws]))
+        if any(w.dtype != torch.float32 for w in ws):
+            flat = torch.cat([w.detach().reshape(-1).float() for w in ws])
+            out = self.compressor.allreduce(flat, transport, op=op)
+            return list(out.split([w.numel() for w in ws]))
+        c = self.compressor
+        f = c.predivide if c.predivide is not None else float(transport.size)
+        wire = self._buffer(sum(w.numel() for w in ws), ws[0].device)
+        segs, off = [], 0
+        for w in ws:
+            segs.append(wire[off:off + w.numel()])
+            torch.div(w.reshape(-1), f, out=segs[-1])  # float32 math, one rounding
+            off += w.numel()
+        average = op is ReduceOp.AVERAGE
+        transport.allreduce(wire, ReduceOp.SUM if average else op)
+        factor = f / transport.size if average else f
+        for w, seg in zip(ws, segs):
+            w.copy_(seg.view_as(w))
+            if factor != 1.0:
+                w.mul_(factor)
+        return list(ws)
+
+    def _buffer(self, numel: int, device) -> torch.Tensor:
+        wire = self._wire
+        if wire is None or wire.numel() < numel or wire.device != device:
+            self._wire = wire = torch.empty(numel, dtype=self.compressor.wire_dtype,
+                                            device=device)
+        return wire[:numel]
 
 
 def _planner_for(adaptive: AdaptiveSchedule, comp, names, shapes, base):

@@ -104,7 +104,8 @@ def reduce_family(cfg: Settings, red, comp, ws: list, names: list) -> None:
             w.mul_(pre)
     outs = comp.allreduce_many(ws, red.transport, names, cfg.op)
     for w, o in zip(ws, outs):
-        w.copy_(o.view_as(w))
+        if o is not w:  # a family that reduced in place returns the tensor itself
+            w.copy_(o.view_as(w))
         if post != 1.0:
             w.mul_(post)
     numel, world = sum(w.numel() for w in ws), red.transport.size

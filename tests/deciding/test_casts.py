@@ -183,3 +183,34 @@ def test_the_deciding_mode_tries_the_16_bit_plans_within_the_budget():
     planned = 32 * 256 + 256 * 64  # the two large weights (small tensors stay exact)
     assert exact["bytes"] - sixteen["bytes"] == 2 * planned  # 2 bytes a value, not 4
     assert 0 < sixteen["error"] < plans["uniform 4-bit/1024"]["error"] / 10
+
+
+def _fused_cast(rank, world):
+    import cgx.torch as hvd
+    from cgx import runtime
+    from cgx.comm.base import ReduceOp
+    from cgx.exchange.auto import FusedCast
+    hvd.init()
+    tr = runtime.transport()
+    out = {}
+    for family in (Family.FP16, Family.BF16):
+        fused = FusedCast(family)
+        for op in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            for sizes in ([(300, 7), (5,), (64, 3, 3)], [(11,)]):  # then a smaller call
+                g = torch.Generator().manual_seed(rank + 10 * len(sizes))
+                ws = [torch.randn(*s, generator=g) * 3 for s in sizes]
+                ref = fused.compressor.allreduce(torch.cat([w.reshape(-1) for w in ws]), tr,
+                                                 op=op)
+                got = fused.allreduce_many([w.clone() for w in ws], tr, [""] * len(ws), op)
+                out[(family.value, op.name, len(sizes))] = (
+                    torch.cat([o.reshape(-1) for o in got]), ref, [o.shape for o in got])
+    return out
+
+
+@pytest.mark.multiproc
+def test_fused_cast_reduces_in_place_as_the_compressor_does_bit_for_bit():
+    for rank in run_gloo(_fused_cast, 3):
+        for key, (got, ref, shapes) in rank.items():
+            assert torch.equal(got, ref), key
+            assert [tuple(s) for s in shapes] == ([(300, 7), (5,), (64, 3, 3)] if key[2] == 3
+                                                  else [(11,)]), key
