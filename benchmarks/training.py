@@ -17,7 +17,8 @@ tensor exact or 4-bit, as ``cgx.planner`` predicts is fastest on the measured li
 ``cgx-decide`` (``Compression.auto(objective="time")``: the model proposes whole plans,
 trials measure them, the fastest within the error budget is kept; its steps run until the
 decision, then ``--warmup`` and the timed steps follow; what deciding cost, every step
-before the decision beyond the kept plan's step, is reported apart). The Keras path:
+before the decision beyond the kept plan's step, is reported apart; ``cgx-decide-sfb``:
+the same given the model, so that its linear layers may travel as sufficient factors). The Keras path:
 ``keras-compute`` (no communication), ``keras-cgx`` (cgx's Keras
 ``DistributedOptimizer``, 4-bit, in ``train_on_batch``: each bucket starts as its
 gradients exist) and ``keras-cgx-one-call`` (the same, all gradients in one exchange
@@ -49,7 +50,7 @@ from cgx.console import progress
 
 METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "cgx-ddp-hook", "cgx-optimizer",
            "cgx-optimizer-8bit", "cgx-optimizer-sfb", "cgx-planned", "cgx-planned-sfb",
-           "cgx-decide", "keras-compute", "keras-cgx", "keras-cgx-one-call", "keras-cgx-sfb",
+           "cgx-decide", "cgx-decide-sfb", "keras-compute", "keras-cgx", "keras-cgx-one-call", "keras-cgx-sfb",
            "keras-cgx-decide"]
 VGG11 = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
 
@@ -221,7 +222,7 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
         # planned: each tensor exact or 4-bit as cgx.planner predicts is fastest, confirmed
         # by trials (traced 5 steps, then tried: timed once the trials kept a plan)
         extra = {"compression": hvd.Compression.planned()} if method.startswith("cgx-planned") \
-            else {"compression": hvd.Compression.auto(**DECIDE)} if method == "cgx-decide" \
+            else {"compression": hvd.Compression.auto(**DECIDE)} if method.startswith("cgx-decide") \
             else {"compression": hvd.Compression.quantize(bits=8)} if method.endswith("-8bit") \
             else {}
         opt = hvd.DistributedOptimizer(
@@ -236,7 +237,7 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
         hvd = types.SimpleNamespace(stats=lambda: state.reducer().snapshot())
     # the deciding exchange and the planned mode decide by trials: time what they keep
     deciding = _until_decided(step, lambda: bool(opt.exchange_trials())) \
-        if method == "cgx-decide" or method.startswith("cgx-planned") else None
+        if method.startswith(("cgx-decide", "cgx-planned")) else None
     times, wire, link = _timed(step, warmup, steps, hvd)
     params = sum(p.numel() for p in model.parameters())
     if wire is None:  # ring allreduce of the gradients (DDP) or of their compressed form
@@ -344,8 +345,8 @@ def _decide_lines(results: list, warmup: int) -> list[str]:
         if not r.get("trials"):
             continue
         keras = name.startswith("keras")
-        others = {m: _step(o) for m, o in ok.items() if m != name and not m.endswith("compute")
-                  and m.startswith("keras") == keras}
+        others = {m: _step(o) for m, o in ok.items() if "decide" not in m
+                  and not m.endswith("compute") and m.startswith("keras") == keras}
         t = _step(r)
         rnd = r["trials"][-1]
         records = [PlanRecord(**p) for p in rnd["plans"]]
