@@ -11,9 +11,10 @@ Checked here:
   streams ordered with cgx's engine; the same bytes as the same run on CPU tensors and
   losses that follow it;
 - DiLoCo on a CUDA model: parameters identical on both ranks after every outer step,
-  and the loss falls;
-- the 16-bit cast exchange on CUDA gradients: one float16 allreduce carrying both large
-  weights, each value the float16 sum of the two halves.
+  and the loss falls.
+
+The 16-bit cast exchange of CUDA gradients is tested beside the CPU one
+(tests/deciding/test_casts.py, its ``cuda`` case).
 """
 
 from __future__ import annotations
@@ -130,68 +131,3 @@ def test_diloco_on_cuda_keeps_ranks_identical_after_each_outer_step():
     for r in (a, b):
         assert sum(r["losses"][-5:]) < 0.7 * sum(r["losses"][:5]), r["losses"]
 
-
-# -- the 16-bit cast exchange --------------------------------------------------------------
-
-def _fp16(rank, world, device):
-    import copy
-
-    import torch.distributed as dist
-
-    from cgx import runtime
-    from cgx.torch import Compression
-    hvd = _init(device)
-    tr = runtime.transport()
-    halves, real = [], tr.allreduce
-
-    def counted(t, *a, **k):
-        halves.append(t.dtype == torch.float16)
-        return real(t, *a, **k)
-    tr.allreduce = counted
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(),
-                                torch.nn.Linear(256, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 10)).to(device)
-    comp = Compression.auto(families=("quantize", "fp16"), alpha=0.01, window=2,
-                            error_feedback=False)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(), compression=comp)
-
-    def batch(step):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        return (torch.randn(16, 32, generator=g).to(device),
-                torch.randint(0, 10, (16,), generator=g).to(device))
-    loss_fn = torch.nn.functional.cross_entropy
-    for step in range(3):
-        x, y = batch(step)
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-    levels = [r["level"] for r in opt.compression_plan()]
-    ref = copy.deepcopy(model)
-    x, y = batch(3)
-    loss_fn(ref(x), y).backward()
-    every = []
-    for p in ref.parameters():
-        g = p.grad.detach().cpu()
-        parts = [torch.empty_like(g) for _ in range(world)]
-        dist.all_gather(parts, g)
-        every.append(parts)
-    del halves[:]
-    opt.zero_grad()
-    loss_fn(model(x), y).backward()
-    opt.step()
-    return {"levels": levels, "halves": list(halves), "every": every,
-            "averaged": [p.grad.detach().cpu() for p in model.parameters()]}
-
-
-def test_fp16_cast_exchange_of_cuda_gradients():
-    ranks = run_gloo(_fp16, 2, "cuda", timeout=300)
-    for r in ranks:
-        assert r["levels"] == ["fp16", "exact (not planned)"] * 2 + ["exact (not planned)"] * 2
-        assert sum(r["halves"]) == 1
-        for avg, other in zip(r["averaged"], ranks[0]["averaged"]):
-            assert torch.equal(avg, other)
-        for avg, parts in list(zip(r["averaged"], r["every"]))[0:4:2]:
-            cast = ((parts[0] / 2).half() + (parts[1] / 2).half()).float()
-            assert torch.equal(avg, cast), (avg - cast).abs().max()

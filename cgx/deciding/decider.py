@@ -44,6 +44,7 @@ class TrialDecider:
         self.planned = planned
         self.trials = Trials(settings)
         self.plans: list[list] = []  # per record of the round, its plan
+        self.factors: list = []  # and its say on the factor layers (Proposal.factors)
 
     # -- what a subclass provides ---------------------------------------------------------
     def proposals(self, transport) -> tuple[list[Proposal], float]:
@@ -65,6 +66,7 @@ class TrialDecider:
         since = time.perf_counter() if since is None else since
         chosen, budget = self.proposals(transport)
         self.plans = [p.plan for p in chosen]
+        self.factors = [p.factors for p in chosen]
         self.trials.begin(step, [p.record for p in chosen], budget,
                           link_probe(transport, reps=3),
                           agree_max([time.perf_counter() - since], transport)[0])
@@ -97,6 +99,12 @@ class TrialDecider:
             _mark(timeline, "trial", {"step": step, "plan": self.trials.records[k].label})
         return None if k is None else self.plans[k]
 
+    def factors_now(self, step: int) -> Optional[bool]:
+        """The factor layers' say of the plan that travels at ``step`` (None: the planner's
+        per-layer choice)."""
+        k = self.trials.plan_at(step)
+        return None if k is None or k >= len(self.factors) else self.factors[k]
+
     def _report(self, step: int, transport, verbose: bool, timeline) -> None:
         t = self.trials
         kept = t.records[t.chosen]
@@ -116,7 +124,7 @@ class TrialDecider:
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "trials": self.trials.state_dict(),
-                "plans": [self.plan_state(p) for p in self.plans]}
+                "plans": [self.plan_state(p) for p in self.plans], "factors": list(self.factors)}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
@@ -124,6 +132,7 @@ class TrialDecider:
                              "state_dict())")
         self.trials.load_state_dict(state["trials"])
         self.plans = [self.plan_from_state(p) for p in state["plans"]]
+        self.factors = list(state.get("factors", [None] * len(self.plans)))
 
 
 class Decider(TrialDecider):

@@ -14,7 +14,11 @@ per gradient. The proposals of one round:
   share of the budget spent on the others;
 - ``16-bit``: every gradient cast to 16 bits in fused buckets (what DDP's fp16/bf16 hooks
   send), each layer by the cast it lost least to (fp16, unless a value overflowed it);
-- ``planner, 16-bit for exact``: the planner's choice with its exact tensors cast to 16 bits.
+- ``planner, 16-bit for exact``: the planner's choice with its exact tensors cast to 16 bits;
+- with sufficient-factor layers (``sufficient_factors=``), ``uniform ..., factors`` and
+  ``uniform ..., no factors``: the uniform plan with every factor layer sent as factors
+  (where Poseidon's byte rule allows) and with none. Every other plan sends them as the
+  planner chose per layer. Their bytes and error are counted as the uniform plan's.
 
 The 16-bit plans are proposed when the casts are among the families (by default with
 ``objective="time"``).
@@ -43,6 +47,8 @@ class Proposal:
 
     record: PlanRecord
     plan: list  # a Candidate or None per gradient
+    factors: Optional[bool] = None  # factor layers: True every one Poseidon's byte rule
+    # allows, False none, None the planner's per-layer choice
 
 
 def _option(c: Optional[Candidate], t, makers: dict, world: int):
@@ -81,13 +87,24 @@ def plan_bytes(plan: Sequence, shapes: Sequence, world: int) -> int:
 
 
 def distinct(plans):
-    """``(label, kind, plan)`` in order, leaving out a plan already proposed under another
-    label (the first label names it)."""
+    """``(label, kind, plan[, factors])`` in order, leaving out a plan already proposed under
+    another label (the first label names it)."""
     seen = []
-    for label, kind, plan in plans:
-        if plan not in seen:
-            seen.append(plan)
-            yield label, kind, plan
+    for label, kind, plan, *factors in plans:
+        key = (plan, factors)
+        if key not in seen:
+            seen.append(key)
+            yield label, kind, plan, *factors
+
+
+def factor_variants(uniform_label: str, uniform: list, planned) -> list:
+    """With sufficient-factor layers, the uniform plan with every factor layer as factors
+    where they send fewer bytes, and with none: which pays is measured, not modelled
+    (the planner's per-layer choice travels in every other plan)."""
+    if not planned.has_factor_layers():
+        return []
+    return [(uniform_label + ", factors", "uniform", uniform, True),
+            (uniform_label + ", no factors", "uniform", uniform, False)]
 
 
 def sixteen_bit(adaptive, i: int) -> Optional[Candidate]:
@@ -124,6 +141,7 @@ def propose(adaptive, planned, fewest: Sequence, world: int,
              ("planner", "model", time_plan),
              ("fewest bytes", "model", list(fewest)),
              ("planner + fewest bytes", "model", adaptive.alternative(hidden, fewest))]
+    plans += factor_variants(plans[1][0], uniform, planned)
     casts = [sixteen_bit(adaptive, i) for i in range(len(uniform))]
     if any(c is not None for c in casts):
         plans += [("16-bit", "model", [c or ref for c, ref in zip(casts, uniform)]),
@@ -132,12 +150,12 @@ def propose(adaptive, planned, fewest: Sequence, world: int,
                     for c, p in zip(casts, time_plan)])]
     budget = error_budget(adaptive)
     out = []
-    for label, kind, plan in distinct(plans):
+    for label, kind, plan, *factors in distinct(plans):
         error = adaptive.plan_error(plan)
         record = PlanRecord(label, kind, adaptive.plan_bytes(plan, world), error,
                             predicted_step(plan, planned.plan, family),
                             eligible=kind == "exact" or error <= budget * (1 + 1e-9))
-        out.append(Proposal(record, plan))
+        out.append(Proposal(record, plan, *factors))
     return out
 
 

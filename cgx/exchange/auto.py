@@ -152,6 +152,8 @@ class Auto(Mode):
                 self.decider.replanned(step, red.transport, verbose, red.timeline, since)
             self._collect_owed(old)
         trial_plan = self.decider.plan_now(step, red.timeline) if self.decider else None
+        if self.decider is not None:
+            self.planned.factors_rule = self.decider.factors_now(step)
         if trial_plan is not None and trial_plan != sched.plan:
             old = list(sched.plan)
             sched.plan[:] = trial_plan

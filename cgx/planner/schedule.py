@@ -117,6 +117,9 @@ class PlannedSchedule:
         # offered, agreed by every rank, and what the plan chose for them, by index.
         self._factor_rows: dict[int, int] = {}
         self._factors_planned: dict[int, tuple[int, bool]] = {}  # index -> (rows, factors?)
+        # A trial's say for every factor layer (cgx.deciding): True, Poseidon's byte rule;
+        # False, never; None, the plan's per-layer choice (below).
+        self.factors_rule: Optional[bool] = None
 
     # -- main thread: backward hooks ---------------------------------------------------
     def note_ready(self, index: int, step: int) -> None:
@@ -202,8 +205,9 @@ class PlannedSchedule:
         the first plan, or the rows changed since): before any plan, Poseidon's byte rule;
         after one, the factors' allgather and rebuild against the layer's other options
         standing alone in the plan's cost model - so a 4-bit exchange that beats the
-        factors wins, which the byte rule (against float32) cannot see. The same on every
-        rank: the inputs are agreed.
+        factors wins, which the byte rule (against float32) cannot see. While
+        ``factors_rule`` is set (the deciding mode's trial or kept plan), its say instead.
+        The same on every rank: the inputs are agreed.
         """
         from cgx.planner.costs import OptionMaker
         from cgx.planner.simulator import group_cost
@@ -211,6 +215,9 @@ class PlannedSchedule:
         i = self._position.get(name)
         if i is not None:
             self._factor_rows[i] = int(rows)
+        if self.factors_rule is not None:
+            return self.factors_rule and worth_it(rows, ranks, out_features, in_features)
+        if i is not None:
             planned = self._factors_planned.get(i)
             if planned is not None and planned[0] == rows:
                 return planned[1]
@@ -226,6 +233,10 @@ class PlannedSchedule:
             g = group_cost([0], [t], [o], self.cost)  # the option standing alone
             times[o.name] = g.compress + g.comm + g.decompress
         return "sfb" in times and times["sfb"] < min(t for k, t in times.items() if k != "sfb")
+
+    def has_factor_layers(self) -> bool:
+        """Has a layer been offered as sufficient factors (``sufficient_factors=``)?"""
+        return bool(self._factor_rows)
 
     def _cpu_of(self, tensors: Sequence[TensorProfile], compressed: Sequence[bool],
                 cost: CostModel) -> float:

@@ -88,16 +88,20 @@ def _batch(rank, step):
     return torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
-def _fp16_plan(rank, world):
+def _fp16_plan(rank, world, device):
     """A plan of fp16 everywhere (the fewest bytes within a tiny budget), then one step whose
-    averaged gradient is compared with the cast's reduction of every rank's gradient."""
+    averaged gradient is compared with the cast's reduction of every rank's gradient.
+    On CUDA (ranks sharing one GPU), Gloo carries the bytes through host memory."""
     import copy
+    import os
 
     import torch.distributed as dist
 
     import cgx.torch as hvd
     from cgx import runtime
-    hvd.init()
+    if device == "cuda":
+        os.environ["CGX_BACKEND"] = "gloo"
+    hvd.init(device=device)
     tr = runtime.transport()
     halves = []
     real = tr.allreduce
@@ -106,22 +110,22 @@ def _fp16_plan(rank, world):
         halves.append(t.dtype == torch.float16)
         return real(t, *a, **k)
     tr.allreduce = counted
-    model = _model()
+    model = _model().to(device)
     comp = Compression.auto(families=("quantize", "fp16"), alpha=0.01, window=2,
                             error_feedback=False)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), compression=comp)
     loss_fn = torch.nn.functional.cross_entropy
     for step in range(3):
-        x, y = _batch(rank, step)
+        x, y = (t.to(device) for t in _batch(rank, step))
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
     levels = [r["level"] for r in opt.compression_plan()]
     ref = copy.deepcopy(model)  # this rank's own gradient of the next batch, unreduced
-    x, y = _batch(rank, 3)
+    x, y = (t.to(device) for t in _batch(rank, 3))
     loss_fn(ref(x), y).backward()
-    local = [p.grad.detach().clone() for p in ref.parameters()]
+    local = [p.grad.detach().cpu() for p in ref.parameters()]
     every = []
     for g in local:
         parts = [torch.empty_like(g) for _ in range(world)]
@@ -131,14 +135,17 @@ def _fp16_plan(rank, world):
     opt.zero_grad()
     loss_fn(model(x), y).backward()
     opt.step()
-    averaged = [p.grad.detach().clone() for p in model.parameters()]  # what was reduced
+    averaged = [p.grad.detach().cpu() for p in model.parameters()]  # what was reduced
     return {"levels": levels, "averaged": averaged, "every": every, "halves": list(halves)}
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world", [2, 3])
-def test_fp16_layers_travel_cast_in_one_fused_allreduce(world):
-    ranks = run_gloo(_fp16_plan, world)
+@pytest.mark.parametrize("world,device", [
+    (2, "cpu"), (3, "cpu"),
+    pytest.param(2, "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_fp16_layers_travel_cast_in_one_fused_allreduce(world, device):
+    ranks = run_gloo(_fp16_plan, world, device, timeout=300)
     for r in ranks:
         # the two large weights planned (the rules keep small tensors exact, unplanned)
         assert r["levels"] == ["fp16", "exact (not planned)"] * 2 + ["exact (not planned)"] * 2

@@ -60,4 +60,46 @@ def test_factors_and_trials_together_and_the_same_on_every_rank():
     assert any(u.get("5.weight") for u in a["used"]), a["used"]  # 2048 x 512: factors pay
     assert a["exact_err"] and max(a["exact_err"]) < 1e-5, a["exact_err"]
     tried = [p["label"] for p in a["rounds"][0]["plans"]]
-    assert "exact (fused)" in tried and any(t.startswith("uniform") for t in tried), tried
+    assert "exact (fused)" in tried, tried
+    # the factors are measured, not only modelled: the uniform plan with and without them
+    assert {"uniform 4-bit/1024, factors", "uniform 4-bit/1024, no factors"} <= set(tried)
+    assert any(u.get("5.weight") is False for u in a["used"]), a["used"]  # its turn ran
+
+
+def _resumed_keeps_the_factor_say(rank, world):
+    import cgx.torch as hvd
+    from cgx.torch import Compression
+    hvd.init()
+    runs = []
+    for resume in (False, True):
+        model = _model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
+            compression=Compression.auto(objective="time", window=2, trial_steps=1,
+                                         trial_warmup_steps=0, recheck_every=0),
+            sufficient_factors=model)
+        if resume:
+            opt.load_state_dict(saved)
+        used = []
+        for step in range(16 if not resume else 3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            used.append(dict(opt.sfb_used))
+        saved = opt.state_dict()
+        runs.append({"rounds": opt.exchange_trials(), "used": used,
+                     "factors": saved["cgx"]["plan"]["decider"]["factors"]})
+    return runs
+
+
+@pytest.mark.multiproc
+def test_a_resumed_run_sends_the_factor_layers_as_the_kept_plan_said():
+    for first, resumed in run_gloo(_resumed_keeps_the_factor_say, 2):
+        assert first["rounds"] and resumed["rounds"] == first["rounds"]  # no new round
+        # each tried plan's say on the factor layers came back with the checkpoint
+        assert resumed["factors"] == first["factors"]
+        assert True in first["factors"] and False in first["factors"]
+        kept = first["used"][-1]
+        assert all(u == kept for u in resumed["used"]), (kept, resumed["used"])
