@@ -55,9 +55,12 @@ class FusedCast:
             flat = torch.cat([w.detach().reshape(-1).float() for w in ws])
             out = self.compressor.allreduce(flat, transport, op=op)
             return list(out.split([w.numel() for w in ws]))
+        total = sum(w.numel() for w in ws)
+        if total == 0:  # same shapes everywhere: nothing to exchange
+            return list(ws)
         c = self.compressor
         f = c.predivide if c.predivide is not None else float(transport.size)
-        wire = self._buffer(sum(w.numel() for w in ws), ws[0].device)
+        wire = self._buffer(total, ws[0].device)
         segs, off = [], 0
         for w in ws:
             segs.append(wire[off:off + w.numel()])
