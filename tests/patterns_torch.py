@@ -40,7 +40,7 @@ STEPS = 4
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
 
 
-VARIANTS = ("plain", "sfb", "auto-exact", "planned-exact", "decide-exact")
+VARIANTS = ("plain", "sfb", "auto-exact", "planned-exact", "decide-exact", "decide-sfb")
 EXACT_ONLY = {"layers": [{"pattern": "*", "exclude": True}]}  # per-layer rules: all exact
 _variant = "plain"  # set by init(): what _opt's optimizers decide with
 
@@ -72,7 +72,9 @@ def _compression(hvd):
         return hvd.Compression.auto(families=("exact",), window=1, adjust_every=2)
     if _variant == "planned-exact":
         return hvd.Compression.planned(calibrate_steps=2, replan_every=1)
-    if _variant == "decide-exact":  # the deciding exchange: proposals, a round, checks
+    if _variant.startswith("decide"):  # the deciding exchange: proposals, a round, checks
+        # (decide-sfb: given the model, its trials also send every linear layer as factors
+        # and none)
         return hvd.Compression.auto(objective="time", families=("exact",), window=1,
                                     adjust_every=2, trial_steps=1, trial_warmup_steps=0,
                                     recheck_every=1)
@@ -80,7 +82,7 @@ def _compression(hvd):
 
 
 def _opt(hvd, model, opt, **kw):
-    if _variant == "sfb":
+    if _variant in ("sfb", "decide-sfb"):
         kw["sufficient_factors"] = model
     if _variant == "planned-exact":
         kw["rules"] = EXACT_ONLY

@@ -1,7 +1,8 @@
 """2 (and 3) real ranks with an exact exchange train exactly like one process on all the data,
 for the training patterns users write (tests/patterns_torch.py), in every variant (also
-with sufficient factors, with auto restricted to the exact candidate, and with the planned
-exchange restricted to exact options)."""
+with sufficient factors, with auto restricted to the exact candidate, with the planned
+exchange restricted to exact options, and with the deciding exchange restricted to exact
+candidates, alone and given the model for sufficient factors)."""
 
 import pytest
 
