@@ -103,7 +103,7 @@ class TrialDecider:
         """The factor layers' say of the plan that travels at ``step`` (None: the planner's
         per-layer choice)."""
         k = self.trials.plan_at(step)
-        return None if k is None or k >= len(self.factors) else self.factors[k]
+        return None if k is None else self.factors[k]
 
     def _report(self, step: int, transport, verbose: bool, timeline) -> None:
         t = self.trials
