@@ -14,7 +14,8 @@ Names:
 Every rank evaluates (a sharded model's forward all-gathers the parameters on all ranks).
 Bytes of the training steps: FSDP2's own collectives counted as Gloo's ring sends them
 ((W - 1) / W of the all-gather's output, of the reduce-scatter's input), cgx's
-reduce-scatter by ``hvd.stats()``.
+reduce-scatter and quantized all-gather by ``hvd.stats()`` (every byte handed to cgx's
+transport; the all-gathers of evaluation left out).
 """
 
 from __future__ import annotations
@@ -49,22 +50,6 @@ class _Counted:
             return reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,
                                          async_op=async_op)
         return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-
-
-class _CountedQuantized:
-    """cgx's quantized all-gather of parameters, counting what this rank sends in Gloo's
-    ring: its quantized shard to each of the other ``W - 1`` ranks."""
-
-    def __init__(self, gather, spec, counter: _Counted):
-        self.gather, self.spec, self.counter = gather, spec, counter
-
-    def allocate(self, size, *, dtype, device):
-        return self.gather.allocate(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        if not self.counter.paused and input_tensor.is_floating_point():
-            self.counter.sent += (group.size() - 1) * self.spec.nbytes(input_tensor.numel())
-        return self.gather(output_tensor, input_tensor, group, async_op=async_op)
 
 
 def _units(model):
@@ -105,27 +90,30 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
     for n, m in model.named_modules():
         if isinstance(m, FSDPModule):
             if start is not None and state.params_spec is not None:
-                m.set_custom_all_gather(_CountedQuantized(
-                    cgx.torch.fsdp.CGXAllGather(state, n or "<root>"), state.params_spec,
-                    gathers))
+                m.set_custom_all_gather(cgx.torch.fsdp.CGXAllGather(state, n or "<root>"))
             else:
                 m.set_custom_all_gather(gathers)
             if start is None:
                 m.set_custom_reduce_scatter(scatters)
 
+    evaluated = [0]  # cgx's bytes sent by evaluation (its quantized all-gathers)
+
+    def cgx_sent() -> int:
+        import cgx.torch as hvd
+        return hvd.stats().wire_bytes if start is not None else 0
+
     def accounted(steps: int) -> float:
-        cgx_bytes = 0.0
-        if start is not None:
-            import cgx.torch as hvd
-            cgx_bytes = hvd.stats().wire_bytes - start
+        cgx_bytes = cgx_sent() - start - evaluated[0] if start is not None else 0.0
         return gathers.sent + scatters.sent + cgx_bytes
 
     def evaluate(workload_evaluate):
         gathers.paused = True  # evaluation's all-gathers are not a training step's
+        before = cgx_sent()
         try:
             return workload_evaluate(model)
         finally:
             gathers.paused = False
+            evaluated[0] += cgx_sent() - before
 
     return dict(module=model, optimizer=make_optimizer(model.parameters()),
                 accounted_bytes=accounted, evaluate=evaluate,
