@@ -32,7 +32,8 @@ def reshape_own_link(rate: Optional[str]) -> None:
 def deciding_under_changing_link(steps: int, changes: dict, width: int = 1024, depth: int = 1,
                                  batch: int = 8, window: int = 3,
                                  trial_steps: int = 2, recheck_every: int = 5,
-                                 drift_tolerance: float = 0.5) -> dict[str, Any]:
+                                 drift_tolerance: float = 0.5,
+                                 trial_runoffs: int = 1) -> dict[str, Any]:
     """Train an MLP (``depth`` hidden layers of ``width``) with
     ``Compression.auto(objective="time")`` for ``steps`` steps; at each step named in
     ``changes`` (JSON: string keys) the link is reshaped to its rate (None: unshaped).
@@ -47,7 +48,7 @@ def deciding_under_changing_link(steps: int, changes: dict, width: int = 1024, d
     model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
     comp = hvd.Compression.auto(objective="time", window=window, trial_steps=trial_steps,
                                 recheck_every=recheck_every, drift_tolerance=drift_tolerance,
-                                families=("quantize",))
+                                families=("quantize",), trial_runoffs=trial_runoffs)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters(), compression=comp)
     changes = {int(k): v for k, v in changes.items()}

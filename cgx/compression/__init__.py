@@ -108,7 +108,7 @@ class Compression:
                 assume_gbit: Optional[float] = None, error_feedback: bool = False,
                 replan_every: int = 50, drift_tolerance: float = 0.25, trials: bool = True,
                 trial_steps: int = 3, trial_warmup_steps: int = 3,
-                device_profile=None) -> Compressor:
+                device_profile=None, trial_runoffs: int = 1) -> Compressor:
         """Exact or quantized per tensor, as the planner predicts is fastest (Espresso),
         confirmed by the step clock.
 
@@ -128,7 +128,7 @@ class Compression:
                                   error_feedback=error_feedback, replan_every=replan_every,
                                   drift_tolerance=drift_tolerance, trials=trials,
                                   trial_steps=trial_steps, trial_warmup_steps=trial_warmup_steps,
-                                  device_profile=device_profile)
+                                  device_profile=device_profile, trial_runoffs=trial_runoffs)
 
     @staticmethod
     def topk(density: float = 0.01, error_feedback: bool = True,

@@ -43,6 +43,8 @@ class PlannedCompression(Policy):
             or a link probe that moved, re-plans and tries again. False: the planner's
             plan travels as predicted, checked against its prediction.
         trial_steps, trial_warmup_steps: see ``trials``.
+        trial_runoffs: extra turns for the plans measured within 10% of the fastest, their
+            times pooled (0: none).
         device_profile: for CUDA gradients, where compression may run
             (:class:`cgx.planner.placement.DeviceProfile`: the GPU's kernels or the host's
             C path on pinned copies, per tensor, weighed by the planner; see
@@ -57,7 +59,8 @@ class PlannedCompression(Policy):
     def __init__(self, bits: int = 4, bucket_size: int = 1024, calibrate_steps: int = 5,
                  assume_gbit: Optional[float] = None, error_feedback: bool = False,
                  replan_every: int = 50, drift_tolerance: float = 0.25, trials: bool = True,
-                 trial_steps: int = 3, trial_warmup_steps: int = 3, device_profile=None):
+                 trial_steps: int = 3, trial_warmup_steps: int = 3, device_profile=None,
+                 trial_runoffs: int = 1):
         from cgx.config import validate_bits, validate_bucket_size
         self.bits = validate_bits(bits, "Compression.planned bits")
         if self.bits > 8:
@@ -89,6 +92,7 @@ class PlannedCompression(Policy):
             raise TypeError(f"trials must be True or False, got {trials!r}")
         from cgx.compression.trials import TrialSettings
         self.trials = TrialSettings(steps=trial_steps, warmup_steps=trial_warmup_steps,
+                                    runoffs=trial_runoffs,
                                     recheck_every=replan_every,
                                     drift_tolerance=self.drift_tolerance) if trials else None
 

@@ -8,7 +8,7 @@ import dataclasses
 
 # The settings' names as Compression.auto spells them.
 _ARG = {"steps": "trial_steps", "settle_steps": "trial_settle_steps",
-        "warmup_steps": "trial_warmup_steps"}
+        "warmup_steps": "trial_warmup_steps", "runoffs": "trial_runoffs"}
 
 
 @dataclasses.dataclass
@@ -26,6 +26,11 @@ class TrialSettings:
         drift_tolerance: relative change of the kept plan's step that starts a new round.
         tie_tolerance: plans within this fraction of the fastest count as equally fast;
             the one that sends fewest bytes is kept.
+        runoffs: extra passes over the plans whose measured step is within
+            ``runoff_margin`` of the fastest (when two or more are), in the reverse
+            order of the pass before, each plan's times pooled: a few steps measure a
+            plan to about 10% on shared cores, as much as the best plans often differ.
+        runoff_margin: how close (relative) to the fastest a plan runs again.
     """
 
     steps: int = 3
@@ -34,14 +39,16 @@ class TrialSettings:
     recheck_every: int = 200
     drift_tolerance: float = 0.2
     tie_tolerance: float = 0.02
+    runoffs: int = 1
+    runoff_margin: float = 0.1
 
     def __post_init__(self):
         for name, lo in (("steps", 1), ("settle_steps", 0), ("warmup_steps", 0),
-                         ("recheck_every", 0)):
+                         ("recheck_every", 0), ("runoffs", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{_ARG.get(name, name)}={v!r} must be an int >= {lo}")
-        for name in ("drift_tolerance", "tie_tolerance"):
+        for name in ("drift_tolerance", "tie_tolerance", "runoff_margin"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"{_ARG.get(name, name)}={v!r} must be a number >= 0")

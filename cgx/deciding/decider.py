@@ -116,9 +116,10 @@ class TrialDecider:
 
     def rounds(self) -> list[dict]:
         """Every finished round: its first step (``start``), the step it decided at
-        (``step``), the error ``budget``, the kept plan's label (``chosen``) and the plans
-        tried (``plans``: label, kind, bytes, error, predicted and measured step, within
-        the budget)."""
+        (``step``), the error ``budget``, the kept plan's label (``chosen``), the plans
+        tried (``plans``: label, kind, bytes, error, predicted and measured step, steps
+        timed, within the budget), their turns in order (``turns``: indices into
+        ``plans``, a runoff's included) and the runoff passes (``runoffs``)."""
         return [dict(r) for r in self.trials.history]
 
     # -- state ---------------------------------------------------------------------------

@@ -10,6 +10,11 @@ Timeline (``K`` plans, ``s`` = settle_steps, ``m`` = steps per plan)::
                             early when a measured step is over ``1 + CUT`` times the best
                             plan's median so far (it cannot win; a slow link's exact plan
                             costs one measured step, not ``m``)
+    runoffs                 when two or more plans measured within ``runoff_margin`` of
+                            the fastest, they take another turn each (the reverse order
+                            of the pass before: a drift of the machine over the round
+                            weighs on both ends alike), their times pooled with the
+                            first; ``runoffs`` such passes at most
     after the last turn     every rank at its first reduction: the fastest plan's median
                             within the error budget is kept (bytes break ties); from this
                             step on it travels
@@ -79,6 +84,7 @@ class PlanRecord:
     predicted_s: float
     eligible: bool = True
     measured_s: Optional[float] = None
+    samples: int = 0  # measured steps behind measured_s (every turn of the round)
 
     @property
     def compressed(self) -> bool:
@@ -105,8 +111,12 @@ class Trials:
         self.phase = Phase.IDLE
         self.records: list[PlanRecord] = []
         self.start: Optional[int] = None  # first step of the current (or last) round
-        self.current = 0  # the record whose turn it is (TRIAL)
+        self.order: list[int] = []  # the records' turns in this round, runoffs appended
+        self.pos = 0  # the turn now: order[pos]
+        self.current = 0  # the record whose turn it is (TRIAL): order[pos]
         self.turn_start: Optional[int] = None  # the first step of its turn
+        self.turn_base = 0  # its measured steps from earlier turns of the round
+        self.runoffs = 0  # runoff passes this round
         self.chosen: Optional[int] = None  # index into records of the kept plan
         self.decided_at: Optional[int] = None
         self.rounds = 0
@@ -134,7 +144,9 @@ class Trials:
             raise ValueError("a round of trials needs at least one plan")
         self.budget = float(budget)
         self.phase, self.start, self.records = Phase.TRIAL, int(step), list(records)
+        self.order, self.pos, self.runoffs = list(range(len(self.records))), 0, 0
         self.current, self.turn_start = 0, int(step) + self.settings.warmup_steps
+        self.turn_base = 0
         self.chosen, self.decided_at = None, None
         self._times = [[] for _ in self.records]
         self._since_check = []
@@ -162,8 +174,8 @@ class Trials:
             if prev is not None and prev[0] == step - 1 and prev[0] >= self.turn_start:
                 self._measure(prev[0], now - prev[1], transport)
             if step > self.turn_start and self._turn_over():
-                self.current, self.turn_start = self.current + 1, int(step)
-            if self.current == len(self.records):
+                self._next_turn(step)
+            if self.pos == len(self.order):
                 self._decide(step)
                 if not self.settings.recheck_every:  # never re-tried: no probe either
                     return Event.DECIDED
@@ -221,23 +233,50 @@ class Trials:
             self._times[self.current].append(agree_max([seconds], transport)[0])
 
     def _turn_over(self) -> bool:
-        """The current plan has its measured steps, or one step shows it cannot win."""
+        """The current plan has its measured steps this turn, or one shows it cannot win."""
         times = self._times[self.current]
-        if len(times) >= self.settings.steps:
+        if len(times) - self.turn_base >= self.settings.steps:
             return True
         done = [statistics.median(t) for k, t in enumerate(self._times)
-                if k < self.current and t and self.records[k].eligible]
-        return bool(times and done and times[-1] > (1 + CUT) * min(done))
+                if k != self.current and t and self.records[k].eligible]
+        return bool(len(times) > self.turn_base and done
+                    and times[-1] > (1 + CUT) * min(done))
+
+    def _next_turn(self, step: int) -> None:
+        """The next plan's turn starts at ``step``; after the last, a runoff pass if due."""
+        self.pos += 1
+        if self.pos == len(self.order):
+            self.order += self._runoff()
+        if self.pos < len(self.order):
+            self.current, self.turn_start = self.order[self.pos], int(step)
+            self.turn_base = len(self._times[self.current])
+
+    def _runoff(self) -> list[int]:
+        """The plans that run again (a runoff pass), or none: those within the budget whose
+        median is within ``runoff_margin`` of the fastest, when two or more are and passes
+        are left, in the reverse order of their last turns."""
+        medians = {k: statistics.median(t) for k, t in enumerate(self._times)
+                   if t and self.records[k].eligible}
+        if self.runoffs >= self.settings.runoffs or len(medians) < 2:
+            return []
+        best = min(medians.values())
+        close = {k for k, m in medians.items() if m <= best * (1 + self.settings.runoff_margin)}
+        if len(close) < 2:
+            return []
+        self.runoffs += 1
+        last = {k: i for i, k in enumerate(self.order)}  # each plan's latest turn
+        return sorted(close, key=lambda k: -last[k])
 
     def _decide(self, step: int) -> None:
         for r, t in zip(self.records, self._times):
-            r.measured_s = statistics.median(t) if t else None
+            r.measured_s, r.samples = (statistics.median(t) if t else None), len(t)
         self.chosen = choose(self.records, self.settings.tie_tolerance)
         self.phase, self.decided_at = Phase.DECIDED, int(step)
         self.rounds += 1
         self._learn()
         self.history.append({"start": self.start, "step": int(step), "budget": self.budget,
-                             "setup_s": self.setup_s,
+                             "setup_s": self.setup_s, "runoffs": self.runoffs,
+                             "turns": list(self.order),
                              "chosen": self.records[self.chosen].label,
                              "plans": [dataclasses.asdict(r) for r in self.records]})
 
@@ -256,6 +295,8 @@ class Trials:
         return {"format": STATE_FORMAT, "phase": self.phase.value,
                 "records": [dataclasses.asdict(r) for r in self.records],
                 "start": self.start, "current": self.current, "turn_start": self.turn_start,
+                "order": list(self.order), "pos": self.pos, "turn_base": self.turn_base,
+                "runoffs": self.runoffs,
                 "chosen": self.chosen, "decided_at": self.decided_at,
                 "rounds": self.rounds, "history": list(self.history),
                 "corrections": dict(self.corrections), "budget": self.budget,
@@ -271,6 +312,10 @@ class Trials:
         self.records = [PlanRecord(**r) for r in state["records"]]
         self.start, self.chosen = state["start"], state["chosen"]
         self.current, self.turn_start = int(state["current"]), state["turn_start"]
+        # (states saved before runoffs existed: one pass in record order)
+        self.order = [int(k) for k in state.get("order", range(len(self.records)))]
+        self.pos = int(state.get("pos", self.current))
+        self.turn_base, self.runoffs = int(state.get("turn_base", 0)), int(state.get("runoffs", 0))
         self.decided_at, self.rounds = state["decided_at"], int(state["rounds"])
         self.history = list(state["history"])
         self.corrections = {k: float(v) for k, v in state["corrections"].items()}
@@ -295,11 +340,12 @@ def agree_max(values: Sequence[float], transport) -> list[float]:
 def format_trials(records: Sequence[PlanRecord], chosen: Optional[int]) -> str:
     """A markdown table of a round: plan, measured step, the model's (corrected) prediction
     made before the round, bytes, error."""
-    lines = ["| plan | measured step | predicted step | bytes/step | error | within budget |",
-             "|---|---:|---:|---:|---:|:---:|"]
+    lines = ["| plan | measured step | predicted step | bytes/step | error | within budget "
+             "| steps timed |", "|---|---:|---:|---:|---:|:---:|---:|"]
     for k, r in enumerate(records):
         mark = " (kept)" if k == chosen else ""
         measured = "-" if r.measured_s is None else f"{1e3 * r.measured_s:.1f} ms"
         lines.append(f"| {r.label}{mark} | {measured} | {1e3 * r.predicted_s:.1f} ms | "
-                     f"{r.bytes:,} | {r.error:.4g} | {'yes' if r.eligible else 'no'} |")
+                     f"{r.bytes:,} | {r.error:.4g} | {'yes' if r.eligible else 'no'} | "
+                     f"{r.samples} |")
     return "\n".join(lines)

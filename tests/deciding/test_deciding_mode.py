@@ -18,9 +18,12 @@ def _model():
                                torch.nn.ReLU(), torch.nn.Linear(256, 10))
 
 
-def _optimizer(hvd, model, **kw):
+def _optimizer(hvd, model, runoff_margin=None, **kw):
+    import dataclasses
     comp = hvd.Compression.auto(objective="time", window=WINDOW, trial_steps=TRIAL_STEPS,
                                 recheck_every=0, **kw)
+    if runoff_margin is not None:  # (every plan within it runs again)
+        comp.trials = dataclasses.replace(comp.trials, runoff_margin=runoff_margin)
     return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                     named_parameters=model.named_parameters(), compression=comp)
 
@@ -47,8 +50,9 @@ def _train(rank, world, steps, kw):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_agrees_on_the_trials_and_keeps_the_same_plan(world):
-    # window 3, then 3-5 plans x (1 settle + 1 measured) steps: decided by step 13
-    ranks = run_gloo(_train, world, 16, {})
+    # window 3, warm-up 3, then 3-5 plans x (1 settle + 1 measured) steps and a runoff of
+    # at most as many (here every plan, by a margin no step misses): decided by step 26
+    ranks = run_gloo(_train, world, 28, {"runoff_margin": 100.0})
     first = ranks[0]
     assert len(first["rounds"]) == 1
     r = first["rounds"][0]
@@ -58,6 +62,11 @@ def test_every_rank_agrees_on_the_trials_and_keeps_the_same_plan(world):
     predicted = [p["predicted_s"] for p in r["plans"]]
     assert predicted == sorted(predicted)  # the likely fastest first
     assert all(p["measured_s"] > 0 for p in r["plans"])
+    # a runoff pass: every plan that finished its turn again, in the reverse order
+    K = len(labels)
+    assert r["runoffs"] == 1 and r["turns"][:K] == list(range(K)), r["turns"]
+    assert sorted(r["turns"][K:], reverse=True) == r["turns"][K:] and len(r["turns"]) > K
+    assert all(r["plans"][k]["samples"] >= 2 * TRIAL_STEPS for k in r["turns"][K:])
     for other in ranks[1:]:  # the same agreed measurements, the same choice, the same plan
         assert other["rounds"] == first["rounds"]
         assert other["levels"] == first["levels"]
@@ -71,7 +80,7 @@ def test_every_rank_agrees_on_the_trials_and_keeps_the_same_plan(world):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("alpha", [0.5, 1.0])
 def test_no_plan_tried_or_kept_exceeds_the_error_budget(alpha):
-    a, _ = run_gloo(_train, 2, 16, {"alpha": alpha})
+    a, _ = run_gloo(_train, 2, 28, {"alpha": alpha})
     r = a["rounds"][0]
     assert r["budget"] > 0
     uniform = r["budget"] / alpha  # the uniform default's measured error
@@ -97,7 +106,7 @@ def _resume(rank, world, trace):
     opt = _optimizer(hvd, model)
     printed = io.StringIO()
     with contextlib.redirect_stderr(printed):
-        _steps(opt, model, rank, 16)
+        _steps(opt, model, rank, 28)
     hvd.stop_timeline()
     state = {"model": model.state_dict(), "opt": opt.state_dict()}
     levels = [r["level"] for r in opt.compression_plan()]
@@ -122,7 +131,9 @@ def _resume(rank, world, trace):
 def test_a_resumed_run_keeps_the_plan_and_the_learned_corrections(tmp_path):
     a, b = run_gloo(_resume, 2, str(tmp_path / "trace.json"))
     # the trials are visible: on the timeline's decider row, and printed by rank 0
-    tried = [p["label"] for p in a["tried"][0]["plans"]]
+    plans, turns = a["tried"][0]["plans"], a["tried"][0]["turns"]
+    assert sorted(set(turns)) == list(range(len(plans)))  # each plan, runoffs after
+    tried = [plans[k]["label"] for k in turns]
     assert a["marks"] == b["marks"] == [("trials", None)] + [("trial", t) for t in tried] + [
         ("decided", a["tried"][0]["chosen"])]
     assert "after trials" in a["printed"] and "| plan | measured step |" in a["printed"]

@@ -123,16 +123,69 @@ def _probed(trials, readings, steps, first=0, step_s=0.010):
 ])
 def test_a_link_change_during_a_round_reruns_it_only_when_a_second_probe_confirms_it(
         readings, retrial):
-    t = Trials(TrialSettings(steps=1, settle_steps=0, warmup_steps=0, recheck_every=100))
+    t = Trials(TrialSettings(steps=1, settle_steps=0, warmup_steps=0, recheck_every=100,
+                             runoffs=0))  # (equal plans: no runoff)
     t.begin(0, _records()[:2], link_s=0.010)
     events = _probed(t, readings, 3)
     assert events[2] is (Event.RETRIAL if retrial else Event.DECIDED)
     assert t.link_s == readings[-1]  # the latest reading is the decision's link
 
 
+def test_plans_within_the_margin_run_again_in_reverse_order_and_their_times_pool():
+    s = TrialSettings(steps=2, settle_steps=1, warmup_steps=0, recheck_every=0, runoffs=1,
+                      runoff_margin=0.1)
+    t = Trials(s)
+    t.begin(0, _records())
+    # first pass: exact 30 ms, uniform 21 ms, model 20 ms (within 10%: a runoff); on its
+    # second turn the model plan measures 25 ms, uniform 20 ms: pooled, uniform wins
+    by_turn = {0: 0.030, 1: 0.021, 2: 0.020, 3: 0.025, 4: 0.020}  # t.pos: the turn
+    events, plans = _run(t, [lambda k: by_turn.get(t.pos, 0.020)] * 17, first=0)
+    # the runoff: model (the last turn) first, then uniform; exact is out of it
+    assert plans[:15] == [0] * 3 + [1] * 3 + [2] * 3 + [2] * 3 + [1] * 3
+    assert events[15] is Event.DECIDED and t.order == [0, 1, 2, 2, 1]
+    m = {r.label: (r.measured_s, r.samples) for r in t.records}
+    assert m["exact"] == (pytest.approx(0.030), 2)
+    assert m["uniform"] == (pytest.approx(0.0205), 4)  # median of 21, 21, 20, 20
+    assert m["model"] == (pytest.approx(0.0225), 4)
+    assert t.chosen == 1 and t.history[-1]["runoffs"] == 1
+    assert "| 4 |" in format_trials(t.records, t.chosen)
+
+
+@pytest.mark.parametrize("runoffs, model_s, order", [
+    (0, 0.020, [0, 1, 2]),  # runoffs off: one pass
+    (1, 0.010, [0, 1, 2]),  # the fastest is far ahead: no runoff
+    (2, 0.020, [0, 1, 2, 2, 1, 1, 2]),  # two passes, each reversing the one before
+])
+def test_a_runoff_runs_only_when_plans_are_close_and_passes_are_left(runoffs, model_s, order):
+    t = Trials(TrialSettings(steps=1, settle_steps=0, warmup_steps=0, recheck_every=0,
+                             runoffs=runoffs))
+    t.begin(0, _records())
+    durations = {0: 0.030, 1: 0.020, 2: model_s}
+    events, plans = _run(t, [lambda k: durations[k]] * (len(order) + 1), first=0)
+    assert plans[:len(order)] == order and events[len(order)] is Event.DECIDED
+    assert t.runoffs == (len(order) - 3) // 2
+
+
+def test_a_checkpoint_taken_in_a_runoff_continues_it():
+    s = TrialSettings(steps=2, settle_steps=0, warmup_steps=0, recheck_every=0, runoffs=1)
+    a, b = Trials(s), Trials(s)
+    a.begin(0, _records())
+    times = [lambda k: (0.03, 0.02, 0.0201)[k]] * 8  # 6 steps of the first pass, 2 runoff
+    _run(a, times, first=0)
+    assert a.runoffs == 1 and a.phase is Phase.TRIAL
+    b.load_state_dict(a.state_dict())
+    rest = [lambda k: (0.03, 0.02, 0.0201)[k]] * 4
+    _run(a, rest, first=8)
+    _run(b, rest, first=8)  # (one step more: the first resumed step is not timed)
+    assert a.chosen == b.chosen == 2  # ties uniform (within 2%), sending fewer bytes
+    assert a.order == b.order == [0, 1, 2, 2, 1]
+    assert [r.samples for r in b.records] == [2, 4, 4]
+    assert b.records[2].samples == a.records[2].samples
+
+
 def test_a_kept_plans_check_confirms_a_link_change_before_starting_again():
     t = Trials(TrialSettings(steps=1, settle_steps=0, warmup_steps=0, recheck_every=4,
-                             drift_tolerance=0.5))
+                             drift_tolerance=0.5, runoffs=0))
     t.begin(0, _records()[:2], link_s=0.010)
     assert _probed(t, [0.010], 3)[2] is Event.DECIDED  # decided at step 2; checks at 6, 10
     assert _probed(t, [0.040, 0.011], 4, first=3)[3] is Event.NONE  # a jitter
@@ -172,6 +225,12 @@ def test_settings_are_checked_at_construction():
         Compression.auto(objective="time", model_plans=-1)
     with pytest.raises(ValueError, match="drift_tolerance"):
         Compression.auto(objective="time", drift_tolerance=-0.1)
+    with pytest.raises(ValueError, match="trial_runoffs=-1"):
+        Compression.auto(objective="time", trial_runoffs=-1)
+    with pytest.raises(ValueError, match="trial_runoffs=1.5"):
+        Compression.planned(trial_runoffs=1.5)
+    with pytest.raises(ValueError, match="runoff_margin"):
+        TrialSettings(runoff_margin=-0.1)
     with pytest.raises(ValueError, match="at least one plan"):
         Trials(TrialSettings()).begin(0, [])
 
@@ -189,6 +248,7 @@ def test_the_environment_selects_the_deciding_exchange():
 
 
 def test_a_round_that_is_never_re_tried_reads_no_link_at_its_end():
-    t = Trials(TrialSettings(steps=1, settle_steps=0, warmup_steps=0, recheck_every=0))
+    t = Trials(TrialSettings(steps=1, settle_steps=0, warmup_steps=0, recheck_every=0,
+                             runoffs=0))
     t.begin(0, _records()[:2], link_s=0.010)
     assert _probed(t, [], 3)[2] is Event.DECIDED  # no probe taken (none to give)
