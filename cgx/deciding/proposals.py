@@ -18,7 +18,10 @@ per gradient. The proposals of one round:
 - with sufficient-factor layers (``sufficient_factors=``), ``uniform ..., factors`` and
   ``uniform ..., no factors``: the uniform plan with every factor layer sent as factors
   (where Poseidon's byte rule allows) and with none. Every other plan sends them as the
-  planner chose per layer. Their bytes and error are counted as the uniform plan's.
+  planner chose per layer.
+
+In every plan a layer that travels as factors counts their bytes and no error (factors
+rebuild the average exactly).
 
 The 16-bit plans are proposed when the casts are among the families (by default with
 ``objective="time"``).
@@ -97,6 +100,16 @@ def distinct(plans):
             yield label, kind, plan, *factors
 
 
+def with_factors(adaptive, plan: Sequence, sends: dict, world: int) -> tuple[int, float]:
+    """``plan``'s bytes and error with the layers of ``sends`` (index: bytes, from
+    :meth:`cgx.planner.schedule.PlannedSchedule.factor_sends`) sent as factors."""
+    exact = Candidate(Family.EXACT)
+    masked = [exact if i in sends else c for i, c in enumerate(plan)]
+    moved = sum(exact.traffic(adaptive.shapes[i], world) for i in sends)
+    return (int(adaptive.plan_bytes(masked, world) - moved + sum(sends.values())),
+            adaptive.plan_error(masked))
+
+
 def factor_variants(uniform_label: str, uniform: list, planned) -> list:
     """With sufficient-factor layers, the uniform plan with every factor layer as factors
     where they send fewer bytes, and with none: which pays is measured, not modelled
@@ -151,8 +164,9 @@ def propose(adaptive, planned, fewest: Sequence, world: int,
     budget = error_budget(adaptive)
     out = []
     for label, kind, plan, *factors in distinct(plans):
-        error = adaptive.plan_error(plan)
-        record = PlanRecord(label, kind, adaptive.plan_bytes(plan, world), error,
+        sends = planned.factor_sends(factors[0] if factors else None, world)
+        nbytes, error = with_factors(adaptive, plan, sends, world)
+        record = PlanRecord(label, kind, nbytes, error,
                             predicted_step(plan, planned.plan, family),
                             eligible=kind == "exact" or error <= budget * (1 + 1e-9))
         out.append(Proposal(record, plan, *factors))

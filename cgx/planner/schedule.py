@@ -234,6 +234,22 @@ class PlannedSchedule:
             times[o.name] = g.compress + g.comm + g.decompress
         return "sfb" in times and times["sfb"] < min(t for k, t in times.items() if k != "sfb")
 
+    def factor_sends(self, say: Optional[bool], world: int) -> dict[int, int]:
+        """The layers that travel as sufficient factors under ``say`` (True: where Poseidon's
+        byte rule allows; False: none; None: the plan's per-layer choice, as
+        :meth:`prefer_factors`), each with the bytes one rank sends: its ``K x (M + N)``
+        float32 factors to each of the other ``world - 1`` ranks."""
+        saved, self.factors_rule = self.factors_rule, say
+        try:
+            out = {}
+            for i, rows in self._factor_rows.items():
+                shape = self.shapes[i]
+                if len(shape) == 2 and self.prefer_factors(self.names[i], rows, world, *shape):
+                    out[i] = (world - 1) * rows * (shape[0] + shape[1]) * 4
+            return out
+        finally:
+            self.factors_rule = saved
+
     def has_factor_layers(self) -> bool:
         """Has a layer been offered as sufficient factors (``sufficient_factors=``)?"""
         return bool(self._factor_rows)
