@@ -240,8 +240,24 @@ class BucketExchange:
         red = reducer_of(lay.opts.group)
         lay.plan.begin_step(step, red)  # this may be the step's first exchange
         planned = lay.plan.planned
-        lay.factors.exchange(i, lay.params, plain, red, lay.opts.backward_passes_per_step,
-                             lay.opts.op is Average, shadow,
-                             choose=planned.prefer_factors if planned is not None else None)
+        seen = self._before_factors(indices, step, shadow)
+        went = lay.factors.exchange(i, lay.params, plain, red,
+                                    lay.opts.backward_passes_per_step, lay.opts.op is Average,
+                                    shadow, choose=planned.prefer_factors
+                                    if planned is not None else None)
+        if seen and went:
+            # auto measures the layer's error at its levels, though the factors (exact) went:
+            # the plans that send it compressed count that error
+            lay.plan.adaptive.observe(step, *zip(*seen))
         if not shadow and planned is not None:
             planned.note_reduced(step)
+
+    def _before_factors(self, indices: list, step: int, shadow: bool) -> list:
+        """In auto's measuring window, the layer's own gradients (index, copy) before the
+        factors overwrite them; else nothing."""
+        adaptive = self.layout.plan.adaptive
+        if shadow or adaptive is None or not adaptive.observing(step):
+            return []
+        params = self.layout.params
+        return [(j, params[j].grad.detach().clone()) for j in indices
+                if params[j].grad is not None]

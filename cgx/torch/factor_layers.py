@@ -61,9 +61,9 @@ class FactorLayers:
         return [i] + ([self.biases[i]] if i in self.biases else [])
 
     def exchange(self, i: int, params: list, plain: Callable[[list], None], reducer,
-                 passes: int, average: bool, shadow: bool, choose=None) -> None:
+                 passes: int, average: bool, shadow: bool, choose=None) -> bool:
         """Engine thread: weight ``i``'s layer as factors, or ``plain(grads)`` when the
-        factors do not go (``choose``: the planned mode's say)."""
+        factors do not go (``choose``: the planned mode's say). True: the factors went."""
         layer = [params[j] for j in self.members(i)]
         if shadow:
             grads = [torch.zeros_like(p) for p in layer]
@@ -79,3 +79,4 @@ class FactorLayers:
                               shadow=shadow, bias=bias)
         if not shadow:
             self.used[cap.name] = used
+        return used

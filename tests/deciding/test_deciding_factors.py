@@ -63,12 +63,12 @@ def test_factors_and_trials_together_and_the_same_on_every_rank():
     assert "exact (fused)" in tried, tried
     # the factors are measured, not only modelled: the uniform plan with and without them
     assert {"uniform 4-bit/1024, factors", "uniform 4-bit/1024, no factors"} <= set(tried)
-    # and counted as they travel: the factor layer's bytes as factors (its 4-bit error is
-    # not measured while it travels as factors, as it did in the window: both plans count
-    # the same error)
+    # and counted as they travel: the factor layer's bytes as factors and no error; sent
+    # at 4 bits, the error auto measured on its gradients while the factors went (the
+    # window's steps)
     rec = {p["label"]: p for p in a["rounds"][0]["plans"]}
     sfb, plain = rec["uniform 4-bit/1024, factors"], rec["uniform 4-bit/1024, no factors"]
-    assert sfb["bytes"] < 0.2 * plain["bytes"] and sfb["error"] <= plain["error"], (sfb, plain)
+    assert sfb["bytes"] < 0.2 * plain["bytes"] and sfb["error"] < plain["error"], (sfb, plain)
     assert any(u.get("5.weight") is False for u in a["used"]), a["used"]  # its turn ran
 
 
