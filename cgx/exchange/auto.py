@@ -132,6 +132,12 @@ class Auto(Mode):
         self.decider = Decider(self.adaptive, self.planned, compression) if deciding else None
         self.last_step: Optional[int] = None
 
+    def begin_step(self, step: int, red) -> None:
+        """A sufficient-factor layer's exchange may be a step's first (engine thread, every
+        rank): re-plan when due and set the plan that travels, its factor say included,
+        before it."""
+        self._replan_when_due(step, red)
+
     def _replan_when_due(self, step: int, red) -> None:
         """Re-plan when due (a collective, at the first reduction of a step on every rank);
         with trials, the plan they run or kept."""
