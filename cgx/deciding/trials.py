@@ -112,8 +112,7 @@ class Trials:
         self.records: list[PlanRecord] = []
         self.start: Optional[int] = None  # first step of the current (or last) round
         self.order: list[int] = []  # the records' turns in this round, runoffs appended
-        self.pos = 0  # the turn now: order[pos]
-        self.current = 0  # the record whose turn it is (TRIAL): order[pos]
+        self.pos = 0  # the turn now: order[pos] (the record whose turn it is: current)
         self.turn_start: Optional[int] = None  # the first step of its turn
         self.turn_base = 0  # its measured steps from earlier turns of the round
         self.runoffs = 0  # runoff passes this round
@@ -145,11 +144,15 @@ class Trials:
         self.budget = float(budget)
         self.phase, self.start, self.records = Phase.TRIAL, int(step), list(records)
         self.order, self.pos, self.runoffs = list(range(len(self.records))), 0, 0
-        self.current, self.turn_start = 0, int(step) + self.settings.warmup_steps
-        self.turn_base = 0
+        self.turn_start, self.turn_base = int(step) + self.settings.warmup_steps, 0
         self.chosen, self.decided_at = None, None
         self._times = [[] for _ in self.records]
         self._since_check = []
+
+    @property
+    def current(self) -> int:
+        """The record whose turn it is (TRIAL)."""
+        return self.order[self.pos]
 
     def plan_at(self, step: int) -> Optional[int]:
         """The record whose plan travels at ``step`` (None before any round)."""
@@ -248,8 +251,7 @@ class Trials:
         if self.pos == len(self.order):
             self.order += self._runoff()
         if self.pos < len(self.order):
-            self.current, self.turn_start = self.order[self.pos], int(step)
-            self.turn_base = len(self._times[self.current])
+            self.turn_start, self.turn_base = int(step), len(self._times[self.current])
 
     def _runoff(self) -> list[int]:
         """The plans that run again (a runoff pass), or none: those within the budget whose
@@ -294,7 +296,7 @@ class Trials:
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "phase": self.phase.value,
                 "records": [dataclasses.asdict(r) for r in self.records],
-                "start": self.start, "current": self.current, "turn_start": self.turn_start,
+                "start": self.start, "turn_start": self.turn_start,
                 "order": list(self.order), "pos": self.pos, "turn_base": self.turn_base,
                 "runoffs": self.runoffs,
                 "chosen": self.chosen, "decided_at": self.decided_at,
@@ -311,10 +313,10 @@ class Trials:
         self.phase = Phase(state["phase"])
         self.records = [PlanRecord(**r) for r in state["records"]]
         self.start, self.chosen = state["start"], state["chosen"]
-        self.current, self.turn_start = int(state["current"]), state["turn_start"]
-        # (states saved before runoffs existed: one pass in record order)
+        self.turn_start = state["turn_start"]
+        # (states saved before runoffs existed: one pass in record order, at "current")
         self.order = [int(k) for k in state.get("order", range(len(self.records)))]
-        self.pos = int(state.get("pos", self.current))
+        self.pos = int(state["pos"] if "pos" in state else state["current"])
         self.turn_base, self.runoffs = int(state.get("turn_base", 0)), int(state.get("runoffs", 0))
         self.decided_at, self.rounds = state["decided_at"], int(state["rounds"])
         self.history = list(state["history"])

@@ -209,14 +209,21 @@ class PlannedSchedule:
         ``factors_rule`` is set (the deciding mode's trial or kept plan), its say instead.
         The same on every rank: the inputs are agreed.
         """
+        i = self._position.get(name)
+        if i is not None:
+            self._factor_rows[i] = int(rows)
+        return self._factors_go(name, rows, ranks, out_features, in_features,
+                                self.factors_rule)
+
+    def _factors_go(self, name: str, rows: int, ranks: int, out_features: int,
+                    in_features: int, rule: Optional[bool]) -> bool:
+        """:meth:`prefer_factors`'s answer under ``rule`` (None: the plan's)."""
         from cgx.planner.costs import OptionMaker
         from cgx.planner.simulator import group_cost
         from cgx.sufficient_factors import worth_it
         i = self._position.get(name)
-        if i is not None:
-            self._factor_rows[i] = int(rows)
-        if self.factors_rule is not None:
-            return self.factors_rule and worth_it(rows, ranks, out_features, in_features)
+        if rule is not None:
+            return rule and worth_it(rows, ranks, out_features, in_features)
         if i is not None:
             planned = self._factors_planned.get(i)
             if planned is not None and planned[0] == rows:
@@ -239,16 +246,9 @@ class PlannedSchedule:
         byte rule allows; False: none; None: the plan's per-layer choice, as
         :meth:`prefer_factors`), each with the bytes one rank sends: its ``K x (M + N)``
         float32 factors to each of the other ``world - 1`` ranks."""
-        saved, self.factors_rule = self.factors_rule, say
-        try:
-            out = {}
-            for i, rows in self._factor_rows.items():
-                shape = self.shapes[i]
-                if len(shape) == 2 and self.prefer_factors(self.names[i], rows, world, *shape):
-                    out[i] = (world - 1) * rows * (shape[0] + shape[1]) * 4
-            return out
-        finally:
-            self.factors_rule = saved
+        return {i: (world - 1) * rows * sum(self.shapes[i]) * 4
+                for i, rows in self._factor_rows.items() if len(self.shapes[i]) == 2
+                and self._factors_go(self.names[i], rows, world, *self.shapes[i], say)}
 
     def has_factor_layers(self) -> bool:
         """Has a layer been offered as sufficient factors (``sufficient_factors=``)?"""
