@@ -118,7 +118,8 @@ class AdaptiveSchedule:
 
         Hidden cost: at every window step, one PowerSGD power iteration per layer that may
         pick PowerSGD and one check for an all-zero gradient (a host sync) per layer; at
-        the sampled steps, one quantize pass per quantization candidate and one top-k.
+        the sampled steps, one quantize pass per quantization candidate and one top-k, on
+        at most ``stats.SAMPLE_VALUES`` values of each layer.
         """
         if not self.observing(step):
             return

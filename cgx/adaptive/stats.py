@@ -20,6 +20,14 @@ The window's gradients are measured one step at a time, not summed: a sum over
 made top-k and PowerSGD look better than what they send. Errors are taken at
 up to :data:`SAMPLES` steps spread over the window and averaged.
 
+A layer larger than :data:`SAMPLE_VALUES` is measured on a sample of that many
+values (a 4096 x 4096 layer's 24 quantization levels, top-k and PowerSGD took
+seconds a step): quantization on whole buckets spread evenly over the layer
+(:func:`bucket_sample`, every level on the same buckets), top-k and the casts on
+values drawn at random (:func:`value_sample`), each squared error scaled by the
+layer's size over the sample's. PowerSGD's errors come in closed form from its
+factors (:meth:`PowerSGDScorer.step`), never from the full product.
+
 ``g`` is the gradient itself, without error-feedback residuals: a residual
 depends on the plan in force (a layer planned at rank 1 carries a large one,
 which would inflate its errors and the uniform default's, so an aggressive plan
@@ -49,12 +57,49 @@ from cgx.config import Rounding
 
 SAMPLES = 4  # steps of a window whose errors are measured (spread evenly over it)
 SCORE_SEED = 0x5C0E  # stochastic rounding noise of the measurements (not the exchange's)
+SAMPLE_VALUES = 1 << 20  # a larger layer's errors are estimated from this many of its values
 
 
 def sampled(offset: int, window: int) -> bool:
     """Whether the step ``offset`` steps into a window of ``window`` steps is measured
     (every ``ceil(window / SAMPLES)``-th step from the first; 10 steps: 0, 3, 6, 9)."""
     return offset % max(1, math.ceil(window / SAMPLES)) == 0
+
+
+def _generator(key: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(key) & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def bucket_sample(x: torch.Tensor, chunk: int, key: int,
+                  limit: int = SAMPLE_VALUES) -> tuple[torch.Tensor, float]:
+    """A stratified sample of ``x`` (flat) in whole chunks of ``chunk`` values, and the
+    factor that scales a squared error on it to all of ``x``.
+
+    The ``limit // chunk`` chunks are spread evenly over ``x``, shifted by an offset
+    drawn from ``key``; ``chunk`` is a multiple of every bucket size measured, so each
+    bucket of the sample is a bucket of ``x``. ``x`` itself (factor 1) when it is no
+    larger than ``limit`` or too few chunks would fit."""
+    n = x.numel()
+    count = limit // max(1, chunk)
+    whole = n // max(1, chunk)
+    if n <= limit or count < 16 or whole <= count:
+        return x, 1.0
+    offset = float(torch.rand((), generator=_generator(key)))
+    rows = ((torch.arange(count, dtype=torch.float64) + offset) * (whole / count)).long()
+    sample = x[:whole * chunk].view(whole, chunk)[rows.to(x.device)].reshape(-1)
+    return sample, n / sample.numel()
+
+
+def value_sample(x: torch.Tensor, key: int,
+                 limit: int = SAMPLE_VALUES) -> tuple[torch.Tensor, float]:
+    """``limit`` values of ``x`` (flat) drawn at random with replacement (from ``key``),
+    and the factor that scales a sum of squares over them to all of ``x``; ``x``
+    itself (factor 1) when it is no larger than ``limit``."""
+    n = x.numel()
+    if n <= limit:
+        return x, 1.0
+    idx = torch.randint(0, n, (limit,), generator=_generator(key ^ 0x5A5A))
+    return x[idx.to(x.device)], n / limit
 
 
 def quantization_error(x: torch.Tensor, spec: QuantSpec, threads: int = 1,
@@ -83,6 +128,12 @@ def cast_error(x: torch.Tensor, family: Family) -> float:
     return err if math.isfinite(err) else math.inf
 
 
+def _overflows(x: torch.Tensor, family: Family) -> bool:
+    """Whether a value of ``x`` is beyond the cast's range (the cast is monotone: the
+    largest magnitude decides)."""
+    return not bool(torch.isfinite(x.abs().amax().to(CAST_DTYPES[family])))
+
+
 def topk_errors(x: torch.Tensor, ks: Sequence[int]) -> list[float]:
     """``||x - topk_k(x)||`` for each k (one top-k of the squares, at the largest k)."""
     sq = x.detach().reshape(-1).float().square()
@@ -107,7 +158,8 @@ class PowerSGDScorer:
     lowers the rank. One run gives every rank's error.
 
     Hidden cost: per layer and observed step, two products of the (n, m) matrix
-    with an (., r_max) one, and at measured steps one (n, m) difference per rank.
+    with an (., r_max) one; the errors come from the factors' (r, r) Gram matrices
+    (:func:`lowrank_errors`).
     """
 
     def __init__(self):
@@ -117,17 +169,14 @@ class PowerSGDScorer:
              measure: bool) -> Optional[list[float]]:
         """One power iteration on ``grad`` (advancing the warm start); with ``measure``,
         ``||P_r Q_r^T - grad||`` for each of ``ranks``."""
-        n = int(shape[0])
-        M = grad.detach().reshape(n, -1).float()
+        M = grad.detach().reshape(int(shape[0]), -1).float()
         self.compressor.ranks[name] = max(ranks)
-        payload, ctx = self.compressor.compress(M, name)
+        factors = self.compressor.factors(M, name)
         if not measure:
             return None
-        if ctx.rank == 0:  # not compressed (cannot happen for a candidate): sent whole
+        if factors is None:  # not compressed (cannot happen for a candidate): sent whole
             return [0.0 for _ in ranks]
-        P = payload[:ctx.n * ctx.rank].view(ctx.n, ctx.rank)
-        Q = payload[ctx.n * ctx.rank:].view(ctx.m, ctx.rank)
-        return [float(torch.linalg.matrix_norm(M - P[:, :r] @ Q[:, :r].T)) for r in ranks]
+        return lowrank_errors(M, *factors, ranks)
 
     def state_dict(self) -> dict:
         return self.compressor.state_dict()
@@ -136,18 +185,37 @@ class PowerSGDScorer:
         self.compressor.load_state_dict(state)
 
 
+def lowrank_errors(M: torch.Tensor, P: torch.Tensor, Q: torch.Tensor,
+                   ranks: Sequence[int]) -> list[float]:
+    """``||M - P_r Q_r^T||`` for each r (the leading r columns), where ``Q = M^T P``:
+    ``||M||^2 - 2 tr(Q_r^T Q_r) + <P_r^T P_r, Q_r^T Q_r>``, exact whether or not P's
+    columns are orthonormal, and no (n, m) product formed."""
+    total = float(torch.linalg.vector_norm(M, dtype=torch.float64)) ** 2
+    G, H = P.double().T @ P.double(), Q.double().T @ Q.double()
+    out = []
+    for r in ranks:
+        h = H[:r, :r]
+        out.append(max(0.0, total - 2 * float(h.trace()) + float((G[:r, :r] * h).sum())) ** 0.5)
+    return out
+
+
 def candidate_errors(grad: torch.Tensor, candidates: Sequence[Candidate], *,
                      rounding: Rounding = Rounding.NEAREST, key: int = 0, threads: int = 1,
                      lowrank: Optional[list] = None) -> list[float]:
     """``||C(grad) - grad||`` for each candidate, PowerSGD's from ``lowrank`` (the errors
-    :meth:`PowerSGDScorer.step` measured, in the order of the PowerSGD candidates)."""
+    :meth:`PowerSGDScorer.step` measured, in the order of the PowerSGD candidates); a
+    layer larger than :data:`SAMPLE_VALUES` is measured on samples drawn from ``key``."""
     out = [0.0] * len(candidates)
+    flat = grad.detach().reshape(-1)
+    drawn = any(c.family is Family.TOPK or c.family in CAST_DTYPES for c in candidates)
+    values, scale = value_sample(flat, key) if drawn else (flat, 1.0)  # top-k and casts
     topk = [i for i, c in enumerate(candidates) if c.family is Family.TOPK]
     if topk:
         from cgx.compression.topk import TopKCompressor
-        ks = [TopKCompressor(candidates[i].density).num_selected(grad.numel()) for i in topk]
-        for i, e in zip(topk, topk_errors(grad, ks)):
-            out[i] = e
+        ks = [TopKCompressor(candidates[i].density).num_selected(flat.numel()) for i in topk]
+        errs = topk_errors(values, [min(values.numel(), round(k / scale)) for k in ks])
+        for i, k, e in zip(topk, ks, errs):
+            out[i] = 0.0 if k >= flat.numel() else e * scale ** 0.5
     low = [i for i, c in enumerate(candidates) if c.family is Family.POWERSGD]
     if low:
         if lowrank is None or len(lowrank) != len(low):
@@ -155,12 +223,18 @@ def candidate_errors(grad: torch.Tensor, candidates: Sequence[Candidate], *,
                              f"got {lowrank!r}")
         for i, e in zip(low, lowrank):
             out[i] = e
+    quant = [i for i, c in enumerate(candidates) if c.family is Family.QUANTIZE]
+    if quant:  # every level on the same whole buckets of one sample
+        chunk = math.lcm(*(candidates[i].bucket_size for i in quant))
+        sample, qscale = bucket_sample(flat, chunk, key)
+        for i in quant:
+            c = candidates[i]
+            out[i] = quantization_error(sample, QuantSpec(c.bits, c.bucket_size, rounding),
+                                        threads, key) * qscale ** 0.5
     for i, c in enumerate(candidates):
-        if c.family is Family.QUANTIZE:
-            out[i] = quantization_error(grad, QuantSpec(c.bits, c.bucket_size, rounding),
-                                        threads, key)
-        elif c.family in CAST_DTYPES:
-            out[i] = cast_error(grad, c.family)
+        if c.family in CAST_DTYPES:
+            out[i] = math.inf if scale > 1 and _overflows(flat, c.family) else \
+                cast_error(values, c.family) * scale ** 0.5
     return out
 
 

@@ -267,6 +267,12 @@ class PowerSGDCompressor(Compressor):
     def _power_step(self, M: torch.Tensor, name: Optional[str], r: int,
                     transport: Optional[Transport]):
         """One power iteration; returns (P, Q, P Q^T) and updates Q and the residual."""
+        return self._finish(M, name, *self._factors(M, name, r, transport))
+
+    def _factors(self, M: torch.Tensor, name: Optional[str], r: int,
+                 transport: Optional[Transport]):
+        """P (orthogonalized M Q_start) and Q = M^T P, each summed over ranks with a
+        transport; returns (P, Q, Q_start)."""
         q_start = self._start_q(name, M, r)
         P = M @ q_start
         if transport is not None:
@@ -276,7 +282,7 @@ class PowerSGDCompressor(Compressor):
         if transport is not None:
             transport.allreduce(Q, ReduceOp.SUM)
             Q.div_(transport.size)
-        return self._finish(M, name, P, Q, q_start)
+        return P, Q, q_start
 
     def _finish(self, M, name, P, Q, q_start):
         """P Q^T, and the state it leaves: warm-start Q and the residual M - P Q^T."""
@@ -303,6 +309,23 @@ class PowerSGDCompressor(Compressor):
         P, Q, _ = self._power_step(self._input_matrix(tensor, name, n, m), name, r, None)
         payload = torch.cat([P.reshape(-1), Q.reshape(-1)])
         return payload, LowRankContext(tensor.shape, tensor.dtype, n, m, r)
+
+    def factors(self, tensor, name=None):
+        """One local power iteration that advances the warm start but never forms P Q^T
+        (an (n, m) product): ``(P, Q)``, or None where the tensor is sent whole. For
+        scoring (cgx.adaptive.stats); without error feedback only."""
+        if self.error_feedback:
+            raise ValueError("factors() keeps no residual: build the compressor with "
+                             "error_feedback=False")
+        r = self._next_step(tensor, name, f"{type(self).__name__}.factors")
+        if r == 0:
+            return None
+        n = tensor.shape[0]
+        M = tensor.reshape(n, tensor.numel() // n).to(compute_dtype(tensor.dtype))
+        P, Q, q_start = self._factors(M, name, r, None)
+        if self.warm_start:
+            self._q[name] = torch.where(torch.isfinite(Q).all(), Q, q_start)
+        return P, Q
 
     def decompress(self, payload, ctx: LowRankContext):
         if ctx.rank == 0:
