@@ -11,7 +11,10 @@
    standard library's source) for ``--lm-steps`` steps under AdamW, and under SGD
    with momentum, with fixed 4- and 2-bit levels with and without error feedback
    and with ``auto``; validation loss and bytes per step.
-4. Compensation (``--compensation``): the LM under AdamW with 2-bit quantization,
+4. The window's measurement (``--measure-only``): one measured step of a large layer,
+   every candidate of every family, on a sample (the default) and in full, and how
+   far the sampled errors are from the full ones.
+5. Compensation (``--compensation``): the LM under AdamW with 2-bit quantization,
    without error feedback, with classic error feedback (``CGX_COMPENSATION=classic``)
    and with ``error_feedback=True`` as it is under an adaptive optimizer (the moving
    average of ``cgx.exchange.compensation``), against fp32, over ``--lm-seeds`` seeds.
@@ -20,6 +23,7 @@ Usage::
 
     .venv/bin/python benchmarks/adaptive.py [--epochs 8] [--lm-steps 400] [--out docs/results/adaptive]
     .venv/bin/python benchmarks/adaptive.py --solver-only --out docs/results/adaptive-solver
+    .venv/bin/python benchmarks/adaptive.py --measure-only --out docs/results/adaptive-measure
     .venv/bin/python benchmarks/adaptive.py --compensation --lm-seeds 2 --out docs/results/adaptive-compensation
     .venv/bin/python benchmarks/adaptive.py --compensation --methods "2-bit nearest,2-bit nearest + EF classic,2-bit nearest + EF" --out docs/results/adaptive-compensation-nearest
 
@@ -64,6 +68,66 @@ def bench_solver(layers: int = 300, candidates: int = 20, reps: int = 7) -> dict
             "median_ms": 1e3 * statistics.median(times[True]),
             "numpy_median_ms": 1e3 * statistics.median(times[False]),
             "cost_vs_reference": plan.cost / ref_cost, "error_vs_budget": plan.error / budget}
+
+
+def _heavy_layer(rows: int, cols: int) -> "torch.Tensor":
+    """A gradient-like layer: rows 100x apart in scale, heavy-tailed values."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-1, 1, rows).unsqueeze(1)
+    return x * torch.rand(rows, cols, generator=g).pow(3)
+
+
+def _measure_once(g, shape, cands, full: bool) -> tuple[float, list]:
+    """One measured window step of a layer: seconds, and every candidate's error (full:
+    no sample, PowerSGD's errors from the (n, m) products as before the closed form)."""
+    import torch
+    from cgx.adaptive import Family
+    from cgx.adaptive import stats
+    ranks = [c.rank for c in cands if c.family is Family.POWERSGD]
+    scorer = stats.PowerSGDScorer()
+    t0 = time.perf_counter()
+    if full:
+        M = g.reshape(shape[0], -1)
+        scorer.compressor.ranks["w"] = max(ranks)
+        payload, ctx = scorer.compressor.compress(M, "w")
+        P = payload[:ctx.n * ctx.rank].view(ctx.n, ctx.rank)
+        Q = payload[ctx.n * ctx.rank:].view(ctx.m, ctx.rank)
+        low = [float(torch.linalg.matrix_norm(M - P[:, :r] @ Q[:, :r].T)) for r in ranks]
+    else:
+        low = scorer.step("w", g, shape, ranks, True)
+    errs = stats.candidate_errors(g, cands, key=3, lowrank=low,
+                                  sample_values=g.numel() if full else stats.SAMPLE_VALUES)
+    return time.perf_counter() - t0, errs
+
+
+def bench_measure(shapes=((4096, 512), (4096, 4096), (8192, 4096)), reps: int = 3) -> list:
+    import torch
+    from cgx.adaptive import Family, candidates_for
+    torch.set_num_threads(1)
+    fams = [Family.QUANTIZE, Family.TOPK, Family.POWERSGD, Family.FP16, Family.BF16]
+    out = []
+    for shape in shapes:
+        g, cands = _heavy_layer(*shape).reshape(-1), candidates_for(shape, fams)
+        row = {"shape": list(shape), "candidates": len(cands)}
+        for full in (False, True):
+            runs = [_measure_once(g, shape, cands, full) for _ in range(reps)]
+            row["full_s" if full else "sampled_s"] = statistics.median(t for t, _ in runs)
+            row["full_errors" if full else "sampled_errors"] = runs[0][1]
+        dev = [abs(a / b - 1) for a, b in zip(row["sampled_errors"], row["full_errors"]) if b > 0]
+        row["max_deviation"] = max(dev)
+        out.append(row)
+    return out
+
+
+def measure_table(rows: list) -> list:
+    lines = ["| layer | candidates | one measured step, sampled | in full | speed-up | "
+             "largest error deviation |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['shape'][0]} x {r['shape'][1]} | {r['candidates']} | "
+                     f"{1e3 * r['sampled_s']:.0f} ms | {1e3 * r['full_s']:.0f} ms | "
+                     f"{r['full_s'] / r['sampled_s']:.1f}x | {100 * r['max_deviation']:.1f}% |")
+    return lines
 
 
 def _rank(rank, world, port, method, epochs, out):
@@ -260,6 +324,8 @@ def main(argv=None) -> int:
                    help="LM steps per method (0: skip the LM part)")
     p.add_argument("--out", default="docs/results/adaptive")
     p.add_argument("--solver-only", action="store_true", help="time the solver, nothing else")
+    p.add_argument("--measure-only", action="store_true",
+                   help="time the window's measurement of large layers, nothing else")
     p.add_argument("--compensation", action="store_true",
                    help="the LM's error compensation under AdamW, nothing else")
     p.add_argument("--lm-seeds", type=int, default=1, help="seeds per method (--compensation)")
@@ -274,6 +340,14 @@ def main(argv=None) -> int:
                  "named nearest):", ""]
         return _write(args, lines + compensation_table(runs, args.lm_seeds, methods),
                       {"compensation": runs}, "2 cores, no GPU, 2 ranks on one machine")
+    if args.measure_only:
+        rows = bench_measure()
+        lines = ["auto's window: one measured step of a layer (quantization 2-8 bits x buckets, "
+                 "top-k, PowerSGD ranks, fp16, bf16), one thread, a heavy-tailed layer whose rows "
+                 "differ 100x in scale; median of 3; the deviation: the largest |sampled / full "
+                 "- 1| over the candidates", ""]
+        return _write(args, lines + measure_table(rows), {"measure": rows},
+                      "one process, one thread, 2 cores, no GPU")
     solver = bench_solver()
     lines = ["Solver: %d layers x %d candidates: %.1f ms (median, %s), %.1f ms with the numpy "
              "fallback; cost %.2f x the uniform reference at %.3f of the error budget" % (

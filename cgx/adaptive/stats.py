@@ -201,14 +201,15 @@ def lowrank_errors(M: torch.Tensor, P: torch.Tensor, Q: torch.Tensor,
 
 def candidate_errors(grad: torch.Tensor, candidates: Sequence[Candidate], *,
                      rounding: Rounding = Rounding.NEAREST, key: int = 0, threads: int = 1,
-                     lowrank: Optional[list] = None) -> list[float]:
+                     lowrank: Optional[list] = None,
+                     sample_values: int = SAMPLE_VALUES) -> list[float]:
     """``||C(grad) - grad||`` for each candidate, PowerSGD's from ``lowrank`` (the errors
     :meth:`PowerSGDScorer.step` measured, in the order of the PowerSGD candidates); a
-    layer larger than :data:`SAMPLE_VALUES` is measured on samples drawn from ``key``."""
+    layer larger than ``sample_values`` is measured on samples drawn from ``key``."""
     out = [0.0] * len(candidates)
     flat = grad.detach().reshape(-1)
     drawn = any(c.family is Family.TOPK or c.family in CAST_DTYPES for c in candidates)
-    values, scale = value_sample(flat, key) if drawn else (flat, 1.0)  # top-k and casts
+    values, scale = value_sample(flat, key, sample_values) if drawn else (flat, 1.0)
     topk = [i for i, c in enumerate(candidates) if c.family is Family.TOPK]
     if topk:
         from cgx.compression.topk import TopKCompressor
@@ -226,7 +227,7 @@ def candidate_errors(grad: torch.Tensor, candidates: Sequence[Candidate], *,
     quant = [i for i, c in enumerate(candidates) if c.family is Family.QUANTIZE]
     if quant:  # every level on the same whole buckets of one sample
         chunk = math.lcm(*(candidates[i].bucket_size for i in quant))
-        sample, qscale = bucket_sample(flat, chunk, key)
+        sample, qscale = bucket_sample(flat, chunk, key, sample_values)
         for i in quant:
             c = candidates[i]
             out[i] = quantization_error(sample, QuantSpec(c.bits, c.bucket_size, rounding),
