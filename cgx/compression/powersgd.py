@@ -288,8 +288,7 @@ class PowerSGDCompressor(Compressor):
         """P Q^T, and the state it leaves: warm-start Q and the residual M - P Q^T."""
         approx = P @ Q.T
         # Device-side guards, no host sync: a non-finite step keeps the previous state.
-        if self.warm_start:
-            self._q[name] = torch.where(torch.isfinite(Q).all(), Q, q_start)
+        self._keep_warm_start(name, Q, q_start)
         if self.error_feedback:
             old = self._residuals.get(name)
             keep = old.to(M.device) if old is not None else torch.zeros_like(M)
@@ -323,9 +322,14 @@ class PowerSGDCompressor(Compressor):
         n = tensor.shape[0]
         M = tensor.reshape(n, tensor.numel() // n).to(compute_dtype(tensor.dtype))
         P, Q, q_start = self._factors(M, name, r, None)
+        self._keep_warm_start(name, Q, q_start)
+        return P, Q
+
+    def _keep_warm_start(self, name, Q, q_start) -> None:
+        """The next step starts from Q (device-side guard, no host sync: a non-finite Q
+        keeps the previous start)."""
         if self.warm_start:
             self._q[name] = torch.where(torch.isfinite(Q).all(), Q, q_start)
-        return P, Q
 
     def decompress(self, payload, ctx: LowRankContext):
         if ctx.rank == 0:
