@@ -70,7 +70,7 @@ def bench_solver(layers: int = 300, candidates: int = 20, reps: int = 7) -> dict
             "cost_vs_reference": plan.cost / ref_cost, "error_vs_budget": plan.error / budget}
 
 
-def _heavy_layer(rows: int, cols: int) -> "torch.Tensor":
+def _heavy_layer(rows: int, cols: int):
     """A gradient-like layer: rows 100x apart in scale, heavy-tailed values."""
     import torch
     g = torch.Generator().manual_seed(0)
