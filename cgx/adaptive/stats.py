@@ -128,10 +128,10 @@ def cast_error(x: torch.Tensor, family: Family) -> float:
     return err if math.isfinite(err) else math.inf
 
 
-def _overflows(x: torch.Tensor, family: Family) -> bool:
-    """Whether a value of ``x`` is beyond the cast's range (the cast is monotone: the
-    largest magnitude decides)."""
-    return not bool(torch.isfinite(x.abs().amax().to(CAST_DTYPES[family])))
+def _overflows(peak: torch.Tensor, family: Family) -> bool:
+    """Whether a tensor whose largest magnitude is ``peak`` has a value beyond the cast's
+    range (the cast is monotone: the largest magnitude decides)."""
+    return not bool(torch.isfinite(peak.to(CAST_DTYPES[family])))
 
 
 def topk_errors(x: torch.Tensor, ks: Sequence[int]) -> list[float]:
@@ -191,7 +191,8 @@ def lowrank_errors(M: torch.Tensor, P: torch.Tensor, Q: torch.Tensor,
     ``||M||^2 - 2 tr(Q_r^T Q_r) + <P_r^T P_r, Q_r^T Q_r>``, exact whether or not P's
     columns are orthonormal, and no (n, m) product formed."""
     total = float(torch.linalg.vector_norm(M, dtype=torch.float64)) ** 2
-    G, H = P.double().T @ P.double(), Q.double().T @ Q.double()
+    P, Q = P.double(), Q.double()
+    G, H = P.T @ P, Q.T @ Q
     out = []
     for r in ranks:
         h = H[:r, :r]
@@ -232,10 +233,12 @@ def candidate_errors(grad: torch.Tensor, candidates: Sequence[Candidate], *,
             c = candidates[i]
             out[i] = quantization_error(sample, QuantSpec(c.bits, c.bucket_size, rounding),
                                         threads, key) * qscale ** 0.5
-    for i, c in enumerate(candidates):
-        if c.family in CAST_DTYPES:
-            out[i] = math.inf if scale > 1 and _overflows(flat, c.family) else \
-                cast_error(values, c.family) * scale ** 0.5
+    casts = [i for i, c in enumerate(candidates) if c.family in CAST_DTYPES]
+    peak = flat.abs().amax() if casts and scale > 1 else None  # sampled: one pass for all
+    for i in casts:
+        fam = candidates[i].family
+        out[i] = math.inf if peak is not None and _overflows(peak, fam) else \
+            cast_error(values, fam) * scale ** 0.5
     return out
 
 
