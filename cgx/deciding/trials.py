@@ -7,9 +7,12 @@ Timeline (``K`` plans, ``s`` = settle_steps, ``m`` = steps per plan)::
     plan k's turn           its first ``s`` steps are not measured (the switch: residuals
                             handed over, new buffers), the next ``m`` are, each step's time
                             agreed by the ranks (the slowest rank's) as it ends; a turn ends
-                            early when a measured step is over ``1 + CUT`` times the best
-                            plan's median so far (it cannot win; a slow link's exact plan
-                            costs one measured step, not ``m``)
+                            early when ``CUT_STEPS`` measured steps in a row are over
+                            ``1 + CUT`` times the best plan's median so far (it cannot win;
+                            a slow link's exact plan costs two measured steps, not ``m``;
+                            one slow step is not enough: a pause of the training loop's own
+                            between two steps, an evaluation or a checkpoint, lands in one
+                            step's interval)
     runoffs                 when two or more plans measured within ``runoff_margin`` of
                             the fastest, they take another turn each (the reverse order
                             of the pass before: a drift of the machine over the round
@@ -48,9 +51,12 @@ STATE_FORMAT = 1
 # LINK_FLOOR of the kept plan's step counts (a fast link's probe is a millisecond or two,
 # and its jitter as large).
 LINK_CHANGE, LINK_FLOOR = 0.5, 0.2
-# A plan whose measured step is this much slower (relative) than the best median so far
-# ends its turn early.
-CUT = 0.5
+# A plan whose last CUT_STEPS measured steps are each this much slower (relative) than the
+# best median so far ends its turn early. One such step does not: the interval between two
+# steps' first reductions also holds whatever the training loop does between them (an
+# evaluation every few steps, logging, a checkpoint), and a plan cut on that one step would
+# be judged on it alone. Two in a row are the plan's own.
+CUT, CUT_STEPS = 0.5, 2
 
 
 class Phase(enum.Enum):
@@ -236,14 +242,15 @@ class Trials:
             self._times[self.current].append(agree_max([seconds], transport)[0])
 
     def _turn_over(self) -> bool:
-        """The current plan has its measured steps this turn, or one shows it cannot win."""
-        times = self._times[self.current]
-        if len(times) - self.turn_base >= self.settings.steps:
+        """The current plan has its measured steps this turn, or its last ``CUT_STEPS``
+        show it cannot win."""
+        turn = self._times[self.current][self.turn_base:]
+        if len(turn) >= self.settings.steps:
             return True
         done = [statistics.median(t) for k, t in enumerate(self._times)
                 if k != self.current and t and self.records[k].eligible]
-        return bool(len(times) > self.turn_base and done
-                    and times[-1] > (1 + CUT) * min(done))
+        return bool(len(turn) >= CUT_STEPS and done
+                    and min(turn[-CUT_STEPS:]) > (1 + CUT) * min(done))
 
     def _next_turn(self, step: int) -> None:
         """The next plan's turn starts at ``step``; after the last, a runoff pass if due."""

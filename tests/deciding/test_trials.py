@@ -72,16 +72,32 @@ def test_a_round_runs_each_plan_in_turn_measures_after_settling_and_keeps_the_fa
     assert "uniform (kept) | 20.0 ms | 8.0 ms | 150" in table
 
 
-def test_a_plan_that_cannot_win_ends_its_turn_after_one_measured_step():
+def test_a_plan_that_cannot_win_ends_its_turn_after_two_measured_steps():
     t = Trials(TrialSettings(steps=3, settle_steps=1, warmup_steps=2, recheck_every=0))
     t.begin(0, _records())
     durations = {None: 5.0, 0: 0.010, 1: 0.050, 2: 0.012}
-    events, plans = _run(t, [lambda k: durations[k]] * 13, first=0)
+    events, plans = _run(t, [lambda k: durations[k]] * 14, first=0)
     # two warm-up steps (the plan in use: None), then plan 0; plan 1: a settling step, then
-    # one measured step 5x the best: cut
-    assert plans == [None, None, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 0]
-    assert events[12] is Event.DECIDED and t.chosen == 0
+    # two measured steps 5x the best: cut
+    assert plans == [None, None, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 0]
+    assert events[13] is Event.DECIDED and t.chosen == 0
     assert [r.measured_s for r in t.records] == pytest.approx([0.010, 0.050, 0.012])
+    assert [r.samples for r in t.records] == [3, 2, 3]
+
+
+def test_one_slow_step_of_the_training_loop_does_not_cut_a_plan_or_move_its_median():
+    # the fastest plan's first measured step also holds a 0.5 s evaluation of the user's
+    # loop: judged on that step alone it would lose; it runs its turn and is kept
+    t = Trials(TrialSettings(steps=3, settle_steps=1, warmup_steps=0, recheck_every=0,
+                             runoffs=0))
+    t.begin(0, _records())
+    durations = {None: 5.0, 0: 0.010, 1: 0.008, 2: 0.012}
+    times = [lambda k, i=i: durations[k] + (0.5 if i == 5 else 0.0) for i in range(13)]
+    events, plans = _run(t, times, first=0)
+    assert plans == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 1]
+    assert events[12] is Event.DECIDED and t.chosen == 1
+    assert t.records[1].samples == 3
+    assert t.records[1].measured_s == pytest.approx(0.008)
 
 
 def test_the_kept_plan_is_checked_and_a_drift_either_way_starts_again():
