@@ -112,25 +112,37 @@ class AdaptiveSchedule:
     def observing(self, step: int) -> bool:
         return self.next_plan - self.settings.window <= step < self.next_plan
 
+    def _sampled(self, step: int) -> bool:
+        return stats.sampled(step - (self.next_plan - self.settings.window), self.settings.window)
+
+    def _ranks(self, i: int) -> list[int]:
+        """The PowerSGD ranks layer ``i`` may pick (its scorer iterates at every window step)."""
+        cands = self.candidates[i] or ()
+        return [c.rank for c in cands if c.family is Family.POWERSGD]
+
+    def wants(self, step: int, i: int) -> bool:
+        """Whether :meth:`observe` at ``step`` reads gradient ``i`` (a caller that must copy
+        the gradient for it copies only then)."""
+        return (self.observing(step) and self.candidates[i] is not None
+                and (self._sampled(step) or bool(self._ranks(i))))
+
     def observe(self, step: int, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
         """Measure this step's gradients (without residuals), when the step is one of the
         window's samples (see :mod:`cgx.adaptive.stats`).
 
         Hidden cost: at every window step, one PowerSGD power iteration per layer that may
-        pick PowerSGD and one check for an all-zero gradient (a host sync) per layer; at
-        the sampled steps, one quantize pass per quantization candidate and one top-k, on
-        at most ``stats.SAMPLE_VALUES`` values of each layer.
+        pick PowerSGD (and its check for an all-zero gradient, a host sync); at the
+        sampled steps, that check for every layer, one quantize pass per quantization
+        candidate and one top-k, on at most ``stats.SAMPLE_VALUES`` values of each layer.
         """
         if not self.observing(step):
             return
-        measure = stats.sampled(step - (self.next_plan - self.settings.window),
-                                self.settings.window)
+        measure = self._sampled(step)
         for i, g in zip(indices, grads):
-            cands = self.candidates[i]
-            if cands is None or not bool(g.detach().any()):  # no gradient: nothing to learn
-                continue
+            cands, ranks = self.candidates[i], self._ranks(i)
+            if cands is None or not (measure or ranks) or not bool(g.detach().any()):
+                continue  # nothing to measure, or no gradient: nothing to learn
             name, g = self.names[i], g.detach().reshape(-1).to(torch.float32)
-            ranks = [c.rank for c in cands if c.family is Family.POWERSGD]
             low = self.scorer.step(name, g, self.shapes[i], ranks, measure) if ranks else None
             if not measure:
                 continue

@@ -254,10 +254,10 @@ class BucketExchange:
 
     def _before_factors(self, indices: list, step: int, shadow: bool) -> list:
         """In auto's measuring window, the layer's own gradients (index, copy) before the
-        factors overwrite them; else nothing."""
+        factors overwrite them, at the steps auto reads them; else nothing."""
         adaptive = self.layout.plan.adaptive
         if shadow or adaptive is None or not adaptive.observing(step):
             return []
         params = self.layout.params
         return [(j, params[j].grad.detach().clone()) for j in indices
-                if params[j].grad is not None]
+                if params[j].grad is not None and adaptive.wants(step, j)]

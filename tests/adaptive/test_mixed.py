@@ -312,3 +312,26 @@ def test_layers_the_planner_keeps_exact_leave_their_budget_to_the_others():
     # ...spent on fewer layers: b and c get levels at least as cheap, one strictly cheaper.
     assert all(bytes_of(helped, i) <= bytes_of(free, i) for i in (1, 2))
     assert sum(bytes_of(helped, i) for i in (1, 2)) < sum(bytes_of(free, i) for i in (1, 2))
+
+
+def test_the_window_reads_a_gradient_only_at_the_steps_that_measure_it():
+    # a quantize-only layer is measured at the window's sampled steps (10 steps: 0, 3, 6, 9);
+    # a layer that may pick PowerSGD is read at every step (its scorer's warm start follows
+    # the exchange's); an ineligible layer never. The factor path copies a gradient only
+    # where it is read (cgx.torch.bucket_exchange).
+    from cgx.adaptive import AdaptiveSchedule
+    from cgx.config import Config
+    shapes = [(64, 64), (64, 64), (64,)]
+    sched = AdaptiveSchedule(["q", "p", "b"], shapes, [True, True, False],
+                             Compression.auto(window=10, families=("quantize", "powersgd")),
+                             Config())
+    sched.candidates[0] = [c for c in sched.candidates[0] if c.family is not Family.POWERSGD]
+    assert [s for s in range(12) if sched.wants(s, 0)] == [0, 3, 6, 9]
+    assert [s for s in range(12) if sched.wants(s, 1)] == list(range(10))
+    assert not any(sched.wants(s, 2) for s in range(12))
+    g = torch.Generator().manual_seed(5)
+    for step in range(10):
+        grads = [torch.randn(s, generator=g) if sched.wants(step, i) else None
+                 for i, s in enumerate(shapes)]
+        sched.observe(step, [0, 1, 2], grads)  # a None read would raise
+    assert sched._counts == {"q": 4, "p": 4}
