@@ -1,7 +1,6 @@
 """compression="auto" across families: top-k and PowerSGD beside quantization, per layer."""
 
 import io
-import math
 
 import pytest
 import torch
