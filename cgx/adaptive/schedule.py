@@ -139,9 +139,9 @@ class AdaptiveSchedule:
             return
         measure = self._sampled(step)
         for i, g in zip(indices, grads):
-            cands, ranks = self.candidates[i], self._ranks(i)
-            if cands is None or not (measure or ranks) or not bool(g.detach().any()):
+            if not self.wants(step, i) or not bool(g.detach().any()):
                 continue  # nothing to measure, or no gradient: nothing to learn
+            cands, ranks = self.candidates[i], self._ranks(i)
             name, g = self.names[i], g.detach().reshape(-1).to(torch.float32)
             low = self.scorer.step(name, g, self.shapes[i], ranks, measure) if ranks else None
             if not measure:
