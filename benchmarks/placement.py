@@ -138,7 +138,8 @@ def _print_profile(p) -> None:
         print(f"  host C path, {t} thread(s): quantize {q:.2f} GB/s, dequantize+accumulate "
               f"{d:.2f} GB/s")
     print(f"  pinned copies: device to host {p.d2h_gbps:.1f} GB/s, host to device "
-          f"{p.h2d_gbps:.1f} GB/s")
+          f"{p.h2d_gbps:.1f} GB/s; an offloaded call's fixed cost {4e3 * p.copy_s:.2f} ms "
+          f"(quantize and decode)")
 
 
 def _print_rows(rows: list) -> None:

@@ -151,4 +151,6 @@ def test_calibrate_device_measures_a_usable_profile():
     assert p.gpu_quantize_gbps > p.host_gbps(p.host_quantize_gbps)
     assert [t for t, _ in p.host_quantize_gbps] == [1, 2] and p.threads == 2
     assert "measured on" in p.source and p.gpu_busy == 0.8
+    assert 0 < p.copy_s < 0.1  # an offloaded call's fixed cost, measured (not the default)
+    assert p.copy_s != DeviceProfile.__dataclass_fields__["copy_s"].default
     assert DeviceProfile.from_dict(p.to_dict()) == p

@@ -219,8 +219,8 @@ def place(options: list, quantized: frozenset, numel: int, compress_bps: float,
     return out
 
 
-def _gbps(fn, nbytes: int, sync, reps: int) -> float:
-    """GB/s of ``fn`` over ``nbytes``: the median of ``reps`` timed runs after a warm-up."""
+def _seconds(fn, sync, reps: int) -> float:
+    """The median of ``reps`` timed runs of ``fn`` after a warm-up."""
     import statistics
     import time
     fn()
@@ -231,14 +231,33 @@ def _gbps(fn, nbytes: int, sync, reps: int) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
+    return statistics.median(times)
+
+
+def _gbps(fn, nbytes: int, sync, reps: int) -> float:
+    """GB/s of ``fn`` over ``nbytes``."""
+    return nbytes / _seconds(fn, sync, reps) / 1e9
+
+
+def _offload_fixed_s(x, spec, sync, reps: int) -> float:
+    """The fixed cost of one offloaded copy, for :attr:`DeviceProfile.copy_s`: a small
+    tensor's quantize and decode through the host (pinned buffers, the side stream's
+    waits and the host syncs of four copies, the C path's few microseconds) over four."""
+    from cgx.collectives import offload
+    n = min(x.numel(), 8 * spec.bucket_size)
+    small = x[:n]
+    payload, acc = offload.quantize(small, spec), small.new_zeros(n)
+    t = _seconds(lambda: offload.dequantize(offload.quantize(small, spec, out=payload), n, spec,
+                                            out=acc, accumulate=True), sync, reps)
+    return min(t / 4, 0.5)
 
 
 def calibrate_device(device="cuda", numel: int = 1 << 24, threads: Sequence[int] = (1,),
                      gpu_busy: float = 1.0, bits: int = 4, bucket_size: int = 1024,
                      reps: int = 5) -> DeviceProfile:
     """Measure a :class:`DeviceProfile` on a CUDA ``device`` (about a second): the Triton
-    kernels, the host's C path at each of ``threads``, pinned copies each way.
+    kernels, the host's C path at each of ``threads``, pinned copies each way, and the
+    fixed cost of an offloaded call (``copy_s``).
     ``gpu_busy`` is given (the share of backward the GPU computes: 1.0 for a model whose
     backward is kernels back to back). Stochastic rounding; dequantize accumulates."""
     import torch
@@ -268,9 +287,10 @@ def calibrate_device(device="cuda", numel: int = 1 << 24, threads: Sequence[int]
         host_dq.append((t, _gbps(lambda: dequantize(hpay, numel, spec, out=hacc,
                                                     accumulate=True, threads=t), n4,
                                  lambda: None, reps)))
+    copy_s = _offload_fixed_s(x, spec, sync, reps)
     name = torch.cuda.get_device_name(dev)
     return DeviceProfile(gpu_q, gpu_dq, tuple(host_q), tuple(host_dq), d2h, h2d, gpu_busy,
-                         threads=max(threads), source=f"measured on {name}")
+                         threads=max(threads), copy_s=copy_s, source=f"measured on {name}")
 
 
 def placement_of(option_name: str) -> Placement:
