@@ -4,7 +4,7 @@ The decision is pure arithmetic over a DeviceProfile, so it is tested here witho
 it flips as the profile says it should (a busy GPU with fast PCIe and host sends tensors
 to the host; slow PCIe, a slow host, an idle GPU or lane-bound large tensors keep them
 on the GPU), the profile round-trips, bad values fail with a message naming the field.
-The offload path itself runs in tests/test_offload_gpu.py (marked gpu).
+The offload path itself runs in tests/test_offload.py (marked gpu).
 """
 
 from __future__ import annotations
