@@ -135,7 +135,8 @@ def run_one(run: dict[str, Any], args) -> dict[str, Any]:
             ranks = net.run_function(
                 "benchmarks.timetoacc.rank:train",
                 {"method": run["method"], "workload": run["workload"], "steps": run["steps"],
-                 "eval_every": args.eval_every, "seed": run["seed"], "tiny": args.tiny},
+                 "eval_every": args.eval_every, "seed": run["seed"], "tiny": args.tiny,
+                 "device": args.device},
                 timeout=args.timeout)
     except RankFailedError as exc:  # report a method that crashes, keep the others
         record["error"] = str(exc).splitlines()[-1][:300]
@@ -156,12 +157,19 @@ def run_one(run: dict[str, Any], args) -> dict[str, Any]:
     return record
 
 
+def _gpu_name() -> str:
+    import torch
+    return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+
+
 def write_outputs(records: list[dict[str, Any]], args, argv: list[str]) -> str:
     out = args.out
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     machine = (f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}), no GPU, "
                "every rank 1 thread; all ranks share these cores (4 ranks on 2 cores run at about "
-               "half speed each)")
+               "half speed each)") if args.device == "cpu" else (
+        f"{_gpu_name()}, every rank's model on it (the ranks share the one GPU; their bytes go "
+        f"over Gloo, staged through host memory), {os.cpu_count()} cores, every rank 1 thread")
     lines = [f"Command: `python benchmarks/train.py {' '.join(argv)}`", "", f"Machine: {machine}.", ""]
     summary = {}
     # A scenario gets a table when one of its runs was asked for as a timed run (the
@@ -227,6 +235,9 @@ def main(argv=None) -> int:
     p.add_argument("--suite", action="store_true",
                    help="everything `make bench` runs (4 to 6 hours on 2 cores)")
     p.add_argument("--tiny", action="store_true", help="tiny models (the test suite's version)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where every rank's model trains (cuda: all ranks on one GPU, their "
+                        "bytes over Gloo; DDP's, FSDP2's and cgx's methods)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--resume", action="store_true", help="keep the runs already in <out>.json")
     p.add_argument("--out", default="docs/results/train")
@@ -245,6 +256,14 @@ def main(argv=None) -> int:
         p.error("--rounds must be >= 1")
     if args.local_steps < 1:
         p.error("--local-steps must be >= 1")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            p.error("--device cuda: torch sees no CUDA device here")
+        unsupported = [m for m in args.methods or () if m.startswith(("horovod", "torch"))]
+        if unsupported or not args.methods:
+            p.error("--device cuda runs DDP's, FSDP2's and cgx's methods (name them with "
+                    f"--methods); not {', '.join(unsupported) or 'the default list'}")
 
     from benchmarks.netsim import NetnsUnavailable
     from cgx.console import progress

@@ -93,3 +93,12 @@ def test_benchmark_gives_local_methods_more_steps():
                                      0.02)
     assert "1.0000 (after 300 steps)" in lines[-1] and "after" not in lines[-2]
     assert report.setting_title(("lm", "2", "100mbit")) == "lm, 2 ranks, 100 Mbit/s"
+
+
+def test_without_ddp_the_target_comes_from_fsdp2_fp32_and_says_so():
+    recs = [_record("fsdp-fp32", 0, 0, 1.0, 10.0), _record("cgx-fsdp-4bit", 0, 0, 1.5, 4.0)]
+    assert report.target_loss(recs, 0.02) == 1.0 * 1.02
+    assert "2% above FSDP2 fp32's final loss" in report.target_title(recs, 0.02)
+    recs.append(_record("ddp-fp32", 0, 0, 1.2, 9.0))  # DDP fp32, when run, is the reference
+    assert report.target_loss(recs, 0.02) == 1.2 * 1.02
+    assert "DDP fp32's final loss" in report.target_title(recs, 0.02)

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from typing import Callable
+
+
+def init_cgx(model):
+    """``cgx.torch``, initialized for the device of ``model``'s parameters: on a GPU (every
+    rank of this benchmark on the same one) cgx's transport uses the Gloo group the ranks
+    joined, as NCCL wants one GPU per rank."""
+    import cgx.torch as hvd
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        os.environ.setdefault("CGX_BACKEND", "gloo")
+    hvd.init(device=device.type)
+    return hvd
 
 
 def cgx_counters(hvd) -> tuple[Callable[[int], float], Callable[[], float]]:

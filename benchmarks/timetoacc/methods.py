@@ -29,7 +29,7 @@ import os
 import re
 from typing import Callable, Optional
 
-from benchmarks.timetoacc.counters import cgx_counters
+from benchmarks.timetoacc.counters import cgx_counters, init_cgx
 
 DEFAULT_METHODS = ("ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
                    "horovod-fp32", "horovod-fp16", "cgx-8bit", "cgx-4bit", "cgx-2bit-ef", "cgx-auto",
@@ -209,8 +209,7 @@ def _cgx(name, model, make_optimizer) -> Setup:
     flags = (m.group("flags") or m.group("aflags") or "").split("-")
     if "flat" in flags:
         os.environ["CGX_HIERARCHICAL"] = "off"
-    import cgx.torch as hvd
-    hvd.init()
+    hvd = init_cgx(model)
     if m.group("bits"):
         comp = hvd.Compression.quantize(bits=int(m.group("bits")), error_feedback="ef" in flags)
     elif m.group("mode") == "planned":

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from benchmarks.timetoacc.counters import cgx_counters
+from benchmarks.timetoacc.counters import cgx_counters, init_cgx
 
 DILOCO_METHODS = ("cgx-diloco-h50", "cgx-diloco-auto", "cgx-diloco-streaming",
                   "torch-postlocal-sgd")
@@ -41,8 +41,7 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
         raise ValueError(f"not a low-communication method: {name!r}")
     if name.startswith("torch-postlocal-sgd"):
         return _postlocal(model, make_optimizer, world, int(m.group("ph") or POSTLOCAL_PERIOD))
-    import cgx.torch as hvd
-    hvd.init()
+    hvd = init_cgx(model)
     if m.group("h"):
         kwargs = {"sync_every": int(m.group("h"))}
     elif m.group("mode") == "auto":

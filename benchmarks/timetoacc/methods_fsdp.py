@@ -68,7 +68,7 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     if not handles(name):
         raise ValueError(f"not an FSDP method: {name!r}")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) if name == "fsdp-bf16" else None
     for unit in _units(model):
         fully_shard(unit, mesh=mesh, **({"mp_policy": mp} if mp else {}))
@@ -76,9 +76,9 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
     gathers, scatters = _Counted(reduce=False), _Counted(reduce=True)
     start = None
     if name.startswith("cgx"):
-        import cgx.torch as hvd
         import cgx.torch.fsdp
-        hvd.init()
+        from benchmarks.timetoacc.counters import init_cgx
+        hvd = init_cgx(model)
         q = {"cgx-fsdp-8bit": 8, "cgx-fsdp-4bit": 4, "cgx-fsdp-hier": 8,
              "cgx-fsdp-4bit-p8": 4}[name]
         cross = hvd.Compression.quantize(bits=4, error_feedback=True) \

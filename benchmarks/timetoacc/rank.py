@@ -14,7 +14,14 @@ from benchmarks.netsim import link_tx_bytes
 from benchmarks.timetoacc import methods, workloads
 
 
-def _compute_only(work, steps: int) -> float:
+def _sync(device: str) -> None:
+    """Wait for the device's queued work (a step's time on a GPU ends with its kernels)."""
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
+
+
+def _compute_only(work, steps: int, device: str = "cpu") -> float:
     """Median seconds of a forward/backward/update on a copy of the model, no communication."""
     model = copy.deepcopy(work.model)
     opt = work.optimizer(model.parameters())
@@ -25,16 +32,18 @@ def _compute_only(work, steps: int) -> float:
         opt.zero_grad()
         work.loss_fn(model, batch).backward()
         opt.step()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:] if len(times) > 2 else times)
 
 
 def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0,
-          tiny: bool = False, warmup: int = 3) -> dict[str, Any]:
+          tiny: bool = False, warmup: int = 3, device: str = "cpu") -> dict[str, Any]:
     """Train ``steps`` steps with ``method``; rank 0 evaluates every ``eval_every`` steps.
 
     The clock (``train_s``) runs during training steps only: evaluation and the
-    barriers around it are left out. Returns this rank's record.
+    barriers around it are left out. ``device="cuda"``: the model on the GPU (every rank
+    on the same one; the bytes go over Gloo). Returns this rank's record.
     """
     import torch
     import torch.distributed as dist
@@ -43,7 +52,8 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     work = workloads.make(workload, rank, world, seed, tiny=tiny)
-    compute_s = _compute_only(work, 3 if tiny else 6)
+    work.model.to(device)
+    compute_s = _compute_only(work, 3 if tiny else 6, device)
     setup = methods.build(method, work.model, work.optimizer, world)
     barrier = setup.barrier or dist.barrier
     curve = []
@@ -74,6 +84,7 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
         loss = work.loss_fn(setup.module, batch)
         loss.backward()
         setup.optimizer.step()
+        _sync(device)
         dt = time.perf_counter() - t0
         clock += dt
         times.append(dt)
@@ -89,7 +100,7 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
     timed = times[warmup:] if len(times) > warmup else times
     step_s = statistics.mean(timed)
     return {
-        "method": method, "workload": workload, "rank": rank, "world": world, "seed": seed,
+        "method": method, "workload": workload, "device": device, "rank": rank, "world": world, "seed": seed,
         "steps": steps, "samples_per_step": work.samples_per_batch * world,
         "samples_trained": steps * work.samples_per_batch * world,
         "params": sum(p.numel() for p in work.model.parameters()),

@@ -59,6 +59,13 @@ def make(name: str, rank: int, world: int, seed: int, tiny: bool = False) -> Wor
     return _cnn(size, rank, world, seed) if name == "cnn" else _lm(size, rank, world, seed)
 
 
+def _on_model(m, *tensors) -> tuple:
+    """``tensors`` on the device of ``m``'s parameters (the data is made on the CPU; the
+    model is on a GPU with ``benchmarks/train.py --device cuda``)."""
+    device = next(m.parameters()).device
+    return tuple(t.to(device) for t in tensors)
+
+
 # ------------------------------------------------------------------ digits CNN
 def vgg_style(width: int, num_classes: int = 10):
     import torch.nn as nn
@@ -118,16 +125,18 @@ def _cnn(size: Size, rank: int, world: int, seed: int) -> Workload:
         return _shift(train_x[idx], g), train_y[idx]
 
     def loss_fn(m, batch):
-        return F.cross_entropy(m(batch[0]), batch[1])
+        x, y = _on_model(m, *batch)
+        return F.cross_entropy(m(x), y)
 
     @torch.no_grad()
     def evaluate(m):
         was = m.training
         m.eval()
-        logits = m(val_x)
+        x, y = _on_model(m, val_x, val_y)
+        logits = m(x)
         m.train(was)
-        return {"loss": float(F.cross_entropy(logits, val_y)),
-                "accuracy": float((logits.argmax(1) == val_y).float().mean())}
+        return {"loss": float(F.cross_entropy(logits, y)),
+                "accuracy": float((logits.argmax(1) == y).float().mean())}
 
     return Workload("cnn", model, loss_fn, train_batch, evaluate, size.batch,
                     lambda params: torch.optim.SGD(params, lr=0.02, momentum=0.9, weight_decay=5e-4))
@@ -208,8 +217,9 @@ def _lm(size: Size, rank: int, world: int, seed: int) -> Workload:
         return x, y
 
     def loss_fn(m, batch):
-        logits = m(batch[0])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[1].reshape(-1))
+        x, y = _on_model(m, *batch)
+        logits = m(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     @torch.no_grad()
     def evaluate(m):
