@@ -19,29 +19,16 @@ The same modes on CPU ranks: tests/deciding/, tests/planner/test_planned_mode.py
 
 from __future__ import annotations
 
-import pytest
 import torch
 
+from gpu_ranks import NEEDS_CUDA, init_on, mlp
 from spawn import run_gloo
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-def _init(device: str):
-    import os
-
-    import cgx.torch as hvd
-    os.environ["CGX_BACKEND"] = "gloo"
-    hvd.init(device=device)
-    return hvd
+pytestmark = NEEDS_CUDA
 
 
 def _model(device):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 512), torch.nn.ReLU(),
-                               torch.nn.Linear(512, 512), torch.nn.ReLU(),
-                               torch.nn.Linear(512, 10)).to(device)
+    return mlp(device, hidden=512)
 
 
 def _steps(opt, model, rank, steps, device):
@@ -59,7 +46,7 @@ def _steps(opt, model, rank, steps, device):
 
 
 def _decide(rank, world, device, steps):
-    hvd = _init(device)
+    hvd = init_on(device)
     model = _model(device)
     comp = hvd.Compression.auto(objective="time", window=3, trial_steps=1, recheck_every=0)
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=3e-3),
@@ -83,7 +70,7 @@ def test_the_deciding_exchange_on_cuda_agrees_on_both_ranks_and_trains():
 
 def _planned(rank, world, device, steps):
     from cgx.collectives import offload
-    hvd = _init(device)
+    hvd = init_on(device)
     calls = {"offloaded": 0}
     codec = offload.quantize
 

@@ -21,21 +21,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_ranks import NEEDS_CUDA, init_on, mlp
 from spawn import run_gloo
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = NEEDS_CUDA
 
 
 def _init(device: str, bits: int):
-    import os
-
-    import cgx.torch as hvd
     from cgx import Rounding
     from cgx.config import Config
-    os.environ["CGX_BACKEND"] = "gloo"
-    hvd.init(Config(bits=bits, minimal_size=0, rounding=Rounding.STOCHASTIC), device=device)
-    return hvd
+    return init_on(device, Config(bits=bits, minimal_size=0, rounding=Rounding.STOCHASTIC))
 
 
 def _allreduce_on(rank, world, device):
@@ -59,17 +54,10 @@ def test_quantized_allreduce_on_cuda_equals_the_cpu_path():
         assert torch.equal(a, b), "ranks differ"
 
 
-def _model(device):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(),
-                               torch.nn.Linear(256, 256), torch.nn.ReLU(),
-                               torch.nn.Linear(256, 10)).to(device)
-
-
 def _train_on_cuda(rank, world, bits, factors, steps):
     hvd = _init("cuda", bits)
-    model = _model("cuda")
-    local = _model("cuda")  # a copy without the exchange: this rank's own gradient
+    model = mlp("cuda")
+    local = mlp("cuda")  # a copy without the exchange: this rank's own gradient
     kw = {"sufficient_factors": model} if factors else {}
     comp = hvd.Compression.exact if bits == 32 else hvd.Compression.quantize(bits=bits)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),

@@ -19,22 +19,12 @@ The 16-bit cast exchange of CUDA gradients is tested beside the CPU one
 
 from __future__ import annotations
 
-import pytest
 import torch
 
+from gpu_ranks import NEEDS_CUDA, init_on
 from spawn import run_gloo
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-def _init(device: str):
-    import os
-
-    import cgx.torch as hvd
-    os.environ["CGX_BACKEND"] = "gloo"
-    hvd.init(device=device)
-    return hvd
+pytestmark = NEEDS_CUDA
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------
@@ -55,7 +45,7 @@ def _fsdp(rank, world, device, steps):
     import cgx.torch.fsdp as cfsdp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    hvd = _init(device)
+    hvd = init_on(device)
     model = _lm().to(device)
     mesh = init_device_mesh(device, (world,))
     for i in (1, 3):
@@ -100,7 +90,7 @@ def test_fsdp2_on_cuda_sends_what_the_cpu_run_sends_and_trains_like_it():
 # -- DiLoCo --------------------------------------------------------------------------------
 
 def _diloco(rank, world, device, sync_every, steps):
-    hvd = _init(device)
+    hvd = init_on(device)
     torch.manual_seed(rank)  # different starts: the first outer step starts from rank 0's
     model = torch.nn.Sequential(torch.nn.Linear(12, 64), torch.nn.Tanh(),
                                 torch.nn.Linear(64, 5)).to(device)

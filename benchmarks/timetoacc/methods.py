@@ -36,7 +36,7 @@ DEFAULT_METHODS = ("ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-p
                    "cgx-4bit-sfb", "cgx-planned", "cgx-planned-sfb")
 POWERSGD_START = 10  # exact allreduce for the first steps (PyTorch's start_powerSGD_iter)
 _CGX = re.compile(r"^cgx-(?:(?P<bits>[1-8])bit(?P<flags>(?:-ef|-sfb|-flat)*)"
-                  r"|(?P<mode>auto|planned|decide)(?P<aflags>(?:-sfb|-flat)*))$")
+                  r"|(?P<mode>auto|planned|decide|exact|bf16|fp16)(?P<aflags>(?:-sfb|-flat)*))$")
 _FIXED = {"ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
           "horovod-fp32", "horovod-fp16"}
 
@@ -50,7 +50,7 @@ def check(name: str) -> str:
         return name
     raise ValueError(f"unknown method {name!r}; choose from {sorted(_FIXED)}, "
                      "cgx-<1..8>bit[-ef][-sfb][-flat], cgx-auto[-flat], cgx-planned[-sfb][-flat], "
-                     "cgx-decide[-flat], "
+                     "cgx-decide[-flat], cgx-exact, cgx-bf16, cgx-fp16, "
                      "cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming or "
                      "torch-postlocal-sgd[-h<N>], or one of "
                      f"{', '.join(methods_fsdp.FSDP_METHODS)}")
@@ -216,6 +216,8 @@ def _cgx(name, model, make_optimizer) -> Setup:
         comp = hvd.Compression.planned()
     elif m.group("mode") == "decide":
         comp = hvd.Compression.auto(objective="time", window=10)
+    elif m.group("mode") in ("exact", "bf16", "fp16"):  # each gradient exact or cast, fused
+        comp = getattr(hvd.Compression, m.group("mode"))
     else:
         comp = hvd.Compression.auto(alpha=1.0, window=10, adjust_every=50)
     opt = hvd.DistributedOptimizer(make_optimizer(model.parameters()),
@@ -224,7 +226,7 @@ def _cgx(name, model, make_optimizer) -> Setup:
     accounted, compression_seconds = cgx_counters(hvd)
 
     def plan() -> Optional[str]:
-        if m.group("bits"):
+        if m.group("bits") or m.group("mode") in ("exact", "bf16", "fp16"):
             return None
         if m.group("mode") == "planned":
             from cgx.planner import format_exchange as planned_table
