@@ -25,7 +25,7 @@ class TrialSettings:
             even when the link moved while the plans took turns).
         drift_tolerance: relative change of the kept plan's step that starts a new round.
         tie_tolerance: plans within this fraction of the fastest count as equally fast;
-            the one that sends fewest bytes is kept.
+            the one with the smallest error is kept, then the one sending fewest bytes.
         runoffs: extra passes over the plans whose measured step is within
             ``runoff_margin`` of the fastest (when two or more are), in the reverse
             order of the pass before, each plan's times pooled: a few steps measure a

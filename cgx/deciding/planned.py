@@ -3,7 +3,8 @@
 After each of the planner's plans, three plans take turns for a few steps: every tensor
 exact in fused buckets (what DDP does), every tensor the rules allow at the fixed level
 (what fixed quantization does), and the planner's per-tensor choice. The ranks agree on
-the measured steps and the fastest is kept (ties within ``tie_tolerance``: fewer bytes),
+the measured steps and the fastest is kept (ties within ``tie_tolerance``: fewer bytes, as its
+plans carry no error),
 so the planned mode is never slower than the two fixed choices it weighs, whatever the
 model missed. There is no error budget beyond the fixed level: every plan is eligible.
 A plan is one bool per tensor (quantized?). Linear layers sent as sufficient factors

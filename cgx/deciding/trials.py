@@ -19,7 +19,8 @@ Timeline (``K`` plans, ``s`` = settle_steps, ``m`` = steps per plan)::
                             weighs on both ends alike), their times pooled with the
                             first; ``runoffs`` such passes at most
     after the last turn     every rank at its first reduction: the fastest plan's median
-                            within the error budget is kept (bytes break ties); from this
+                            within the error budget is kept (ties: less error, then fewer
+                            bytes; :func:`choose`); from this
                             step on it travels
     every ``recheck_every`` steps after: the kept plan's median since the last check is
                             agreed; off its trial time by more than ``drift_tolerance``,
@@ -99,14 +100,21 @@ class PlanRecord:
 
 def choose(records: Sequence[PlanRecord], tie_tolerance: float) -> int:
     """The index of the fastest measured plan within the budget; among plans within
-    ``tie_tolerance`` of it, the one sending fewest bytes (then the first)."""
+    ``tie_tolerance`` of it, the one with the smallest error, then the one sending fewest
+    bytes (then the first).
+
+    Error before bytes: when the clock cannot tell two plans apart, the one that loses
+    less of the gradient reaches a given loss in as many steps or fewer, and the time to
+    that loss is what the deciding objective is about (on the LM, a 4-bit plan that tied
+    exact in its trial needed 130 steps to the target where exact needed 120). The
+    planned mode's plans carry no error: bytes break its ties."""
     pool = [k for k, r in enumerate(records) if r.eligible and r.measured_s is not None]
     if not pool:
         raise ValueError("no plan of the round is within the error budget and measured; the "
                          "exact plan always is: propose it")
     best = min(records[k].measured_s for k in pool)
     ties = [k for k in pool if records[k].measured_s <= best * (1 + tie_tolerance)]
-    return min(ties, key=lambda k: (records[k].bytes, k))
+    return min(ties, key=lambda k: (records[k].error, records[k].bytes, k))
 
 
 class Trials:

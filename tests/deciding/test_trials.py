@@ -35,16 +35,21 @@ def _run(trials, times, first=10):
     return events, plans
 
 
-def test_choose_takes_the_fastest_within_the_budget_and_breaks_ties_by_bytes():
+def test_choose_takes_the_fastest_within_the_budget_and_breaks_ties_by_error_then_bytes():
     r = _records()
     for rec, m in zip(r, (0.010, 0.0081, 0.008)):
         rec.measured_s = m
     assert choose(r, 0.0) == 2
-    assert choose(r, 0.02) == 2  # 8.1 ms ties 8.0 ms; model sends fewer bytes anyway
+    assert choose(r, 0.02) == 2  # 8.1 ms ties 8.0 ms; model has the smaller error anyway
+    r[1].error = 0.5
+    assert choose(r, 0.02) == 1  # the tie goes to uniform's smaller error, not model's bytes
+    assert choose(r, 0.0) == 2  # (no tie: the fastest)
+    r[1].error = r[2].error
+    assert choose(r, 0.02) == 2  # equal errors: fewer bytes
     r[2].eligible = False  # over the error budget: never kept, however fast
     assert choose(r, 0.0) == 1
     r[1].measured_s = 0.0101
-    assert choose(r, 0.02) == 1  # within 2% of exact's 10 ms: fewer bytes wins the tie
+    assert choose(r, 0.02) == 0  # within 2% of exact's 10 ms: exact's zero error wins the tie
     assert choose(r, 0.0) == 0
     for rec in r:
         rec.eligible = False
@@ -193,7 +198,7 @@ def test_a_checkpoint_taken_in_a_runoff_continues_it():
     rest = [lambda k: (0.03, 0.02, 0.0201)[k]] * 4
     _run(a, rest, first=8)
     _run(b, rest, first=8)  # (one step more: the first resumed step is not timed)
-    assert a.chosen == b.chosen == 2  # ties uniform (within 2%), sending fewer bytes
+    assert a.chosen == b.chosen == 2  # ties uniform (within 2%), with the smaller error
     assert a.order == b.order == [0, 1, 2, 2, 1]
     assert [r.samples for r in b.records] == [2, 4, 4]
     assert b.records[2].samples == a.records[2].samples
