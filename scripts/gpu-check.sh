@@ -19,7 +19,7 @@ then
     cat "$out/install.log"
     exit 1
 fi
-mapfile -t files < <(grep -rl "pytest.mark.gpu" tests | sort)
+mapfile -t files < <(grep -rlE "pytest.mark.gpu|NEEDS_CUDA" tests --include="test_*.py" | sort)
 "$py" -m pytest -m gpu -n "${GPU_TEST_WORKERS:-8}" -q -p no:cacheprovider "${files[@]}" 2>&1 \
     | tee "$out/gpu-tests.log"
 tests=${PIPESTATUS[0]}
