@@ -100,7 +100,8 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
     timed = times[warmup:] if len(times) > warmup else times
     step_s = statistics.mean(timed)
     return {
-        "method": method, "workload": workload, "device": device, "rank": rank, "world": world, "seed": seed,
+        "method": method, "workload": workload, "device": device, "rank": rank, "world": world,
+        "seed": seed,
         "steps": steps, "samples_per_step": work.samples_per_batch * world,
         "samples_trained": steps * work.samples_per_batch * world,
         "params": sum(p.numel() for p in work.model.parameters()),
