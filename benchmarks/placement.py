@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -41,16 +39,8 @@ MATMUL = 4096  # the compute load's square bf16 matrices
 
 
 def _median_s(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """The median seconds of ``fn`` to its kernels' end (as ``calibrate_device`` times)."""
+    return placement._seconds(fn, torch.cuda.synchronize, reps)
 
 
 class Load:

@@ -1,4 +1,5 @@
-"""What a cgx method reports from cgx's own statistics, from the moment it is set up."""
+"""What every cgx method shares: its initialization on the model's device, and what it
+reports from cgx's own statistics from the moment it is set up."""
 
 from __future__ import annotations
 

@@ -37,6 +37,7 @@ DEFAULT_METHODS = ("ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-p
 POWERSGD_START = 10  # exact allreduce for the first steps (PyTorch's start_powerSGD_iter)
 _CGX = re.compile(r"^cgx-(?:(?P<bits>[1-8])bit(?P<flags>(?:-ef|-sfb|-flat)*)"
                   r"|(?P<mode>auto|planned|decide|exact|bf16|fp16)(?P<aflags>(?:-sfb|-flat)*))$")
+_CAST_MODES = ("exact", "bf16", "fp16")  # cgx-<mode>: every gradient exact or cast, fused
 _FIXED = {"ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
           "horovod-fp32", "horovod-fp16"}
 
@@ -216,7 +217,7 @@ def _cgx(name, model, make_optimizer) -> Setup:
         comp = hvd.Compression.planned()
     elif m.group("mode") == "decide":
         comp = hvd.Compression.auto(objective="time", window=10)
-    elif m.group("mode") in ("exact", "bf16", "fp16"):  # each gradient exact or cast, fused
+    elif m.group("mode") in _CAST_MODES:
         comp = getattr(hvd.Compression, m.group("mode"))
     else:
         comp = hvd.Compression.auto(alpha=1.0, window=10, adjust_every=50)
@@ -226,7 +227,7 @@ def _cgx(name, model, make_optimizer) -> Setup:
     accounted, compression_seconds = cgx_counters(hvd)
 
     def plan() -> Optional[str]:
-        if m.group("bits") or m.group("mode") in ("exact", "bf16", "fp16"):
+        if m.group("bits") or m.group("mode") in _CAST_MODES:
             return None
         if m.group("mode") == "planned":
             from cgx.planner import format_exchange as planned_table

@@ -20,6 +20,8 @@ transport; the all-gathers of evaluation left out).
 
 from __future__ import annotations
 
+from benchmarks.timetoacc.counters import init_cgx
+
 FSDP_METHODS = ("fsdp-fp32", "fsdp-bf16", "cgx-fsdp-8bit", "cgx-fsdp-4bit", "cgx-fsdp-hier",
                 "cgx-fsdp-4bit-p8")
 
@@ -77,7 +79,6 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
     start = None
     if name.startswith("cgx"):
         import cgx.torch.fsdp
-        from benchmarks.timetoacc.counters import init_cgx
         hvd = init_cgx(model)
         q = {"cgx-fsdp-8bit": 8, "cgx-fsdp-4bit": 4, "cgx-fsdp-hier": 8,
              "cgx-fsdp-4bit-p8": 4}[name]
