@@ -16,7 +16,14 @@ if str(REPO_ROOT) not in sys.path:  # `benchmarks` is not installed; import it f
 
 from benchmarks.netsim import NetnsUnavailable, SlowNetwork, list_namespaces  # noqa: E402
 
-SLOW_AT, FAST_AT, EVERY, STEPS = 26, 52, 5, 80
+EVERY, TRIAL_STEPS, PLANS = 5, 5, 4  # PLANS: exact, uniform 4-bit, fewest bytes, planned
+# The longest round: the default 3 warm-up steps, then each plan's settle step and its
+# measured steps, none cut early (under load a compressed plan's turn is not). A change is
+# seen within EVERY steps, so every phase gets EVERY + ROUND steps and a spare.
+ROUND = 3 + PLANS * (1 + TRIAL_STEPS)
+SLOW_AT = 26
+FAST_AT = SLOW_AT + EVERY + ROUND + 4
+STEPS = FAST_AT + EVERY + ROUND + 4
 
 
 @pytest.mark.netns
@@ -31,13 +38,14 @@ def test_a_slower_then_faster_link_moves_the_plan_to_compressed_then_back_to_exa
         ranks = net.run_function(
             "benchmarks.netsim.changing_link:deciding_under_changing_link",
             {"steps": STEPS, "changes": {str(SLOW_AT): "100mbit", str(FAST_AT): None},
-             "trial_steps": 5, "recheck_every": EVERY, "width": 192, "depth": 32,
+             "trial_steps": TRIAL_STEPS, "recheck_every": EVERY, "width": 192, "depth": 32,
              "trial_runoffs": 0},  # (rounds of one pass: each fits between the changes)
             timeout=300)
     assert list_namespaces(net.prefix) == []
     a, b = ranks
     assert a["rounds"] == b["rounds"]  # agreed measurements, the same plans kept
     rounds = a["rounds"]
+    assert all(len(r["plans"]) <= PLANS for r in rounds), rounds  # (ROUND's bound holds)
     checks = [(c["step"], round(c["step_ratio"], 2), round(c["link_ratio"], 2), c["retrial"])
               for c in a["checks"]]
     seen = [(r["start"], r["step"], r["chosen"],
