@@ -39,14 +39,50 @@ def test_a_bucket_sample_is_made_of_whole_buckets_of_the_layer():
     pattern = torch.randn(4096, generator=torch.Generator().manual_seed(2)) * \
         torch.linspace(0.01, 5, 4096)
     x = pattern.repeat(3 * SAMPLE_VALUES // 4096)
-    sample, scale = bucket_sample(x, 4096, key=7)
-    assert sample.numel() == SAMPLE_VALUES and scale == pytest.approx(3.0)
+    sample, weights = bucket_sample(x, 4096, key=7)
+    # equal chunks: drawn evenly, each standing for 3 of the layer's
+    assert sample.numel() == SAMPLE_VALUES and weights.tolist() == pytest.approx(
+        [3.0] * (SAMPLE_VALUES // 4096))
     for bits, bucket in ((2, 128), (4, 1024), (3, 4096)):
         spec = QuantSpec(bits, bucket, Rounding.NEAREST)
-        assert quantization_error(sample, spec) * scale ** 0.5 == pytest.approx(
+        assert quantization_error(sample, spec, weights=weights) == pytest.approx(
             quantization_error(x, spec), rel=1e-3)
     small = torch.randn(SAMPLE_VALUES)
-    assert bucket_sample(small, 4096, key=7)[0] is small  # measured whole
+    assert bucket_sample(small, 4096, key=7) == (small, None)  # measured whole
+    zeros = torch.zeros(3 * SAMPLE_VALUES)
+    assert bucket_sample(zeros, 4096, key=7)[1] is None  # nothing to weigh by: whole
+
+
+def _embedding_gradient(rows: int = 8192, cols: int = 512, used: int = 300,
+                        seed: int = 0) -> torch.Tensor:
+    """An embedding's gradient: only the rows of the batch's tokens are non-zero, their
+    scale spread as token frequencies are (Zipf-like)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.zeros(rows, cols)
+    idx = torch.randperm(rows, generator=g)[:used]
+    freq = 1.0 / torch.arange(1, used + 1, dtype=torch.float32)
+    x[idx] = torch.randn(used, cols, generator=g) * freq.unsqueeze(1)
+    return x.reshape(-1)
+
+
+@pytest.mark.parametrize("rounding", [Rounding.NEAREST, Rounding.STOCHASTIC])
+def test_a_sparse_layers_sampled_errors_follow_its_mass(rounding):
+    # Chunks drawn by their sum of squares: every draw within 8% of the full measurement.
+    # Chunks spread evenly over the rows (the sampling before) measured 13-80% of it here.
+    x = _embedding_gradient()
+    for bits, bucket in ((2, 128), (4, 1024), (8, 4096)):
+        spec = QuantSpec(bits, bucket, rounding)
+        full = quantization_error(x, spec, key=3)
+        for key in range(5):
+            sample, weights = bucket_sample(x, 4096, key=key, limit=SAMPLE_VALUES // 4)
+            assert sample.numel() <= SAMPLE_VALUES // 4
+            assert quantization_error(sample, spec, key=3, weights=weights) == \
+                pytest.approx(full, rel=0.08), (bits, bucket, key)
+    for family in (Family.FP16, Family.BF16):  # the casts on the same chunks
+        full = cast_error(x, family)
+        for key in range(5):
+            sample, weights = bucket_sample(x, 4096, key=key, limit=SAMPLE_VALUES // 4)
+            assert cast_error(sample, family, weights) == pytest.approx(full, rel=0.08), key
 
 
 @pytest.mark.parametrize("rounding", [Rounding.NEAREST, Rounding.STOCHASTIC])
