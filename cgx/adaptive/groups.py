@@ -73,6 +73,7 @@ class GroupLevels:
         sched = self.schedule
         if step > self._latest:  # the step's first reduce-scatter
             self._latest = step
+            sched.measure_share(transport.rank, transport.size)
             if sched.due(step):
                 sched.replan(step, transport, verbose=self.config.verbose)
         i = self._index.get(name)

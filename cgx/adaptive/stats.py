@@ -41,11 +41,15 @@ which would inflate its errors and the uniform default's, so an aggressive plan
 would raise its own budget), while the gradient follows the training.
 
 A step whose gradient is all zeros (the layer was not used, or frozen) is not
-measured: it would give every candidate zero error. Each rank keeps, per layer
-and candidate, the sum of its errors and how many steps it measured; one
-allreduce adds every rank's (:func:`combine`), so every rank solves the same
-problem from the mean over all measured steps of all ranks, and no rank's
-gradients are ignored (L-GreCo's public code looks at rank 0 alone).
+measured: it would give every candidate zero error. At a sampled step each layer is
+measured by one rank, the ranks taking the layers in turn from one sampled step to
+the next (:func:`measuring_ranks`, ``AdaptiveSchedule.measure_share``): the window's
+measuring work is split over the ranks instead of repeated on each, and over a
+window a layer is still measured on several ranks' gradients (L-GreCo's public code
+looks at rank 0 alone). Each rank keeps, per layer and candidate, the sum of its
+errors and how many steps it measured; one allreduce adds every rank's
+(:func:`combine`), so every rank solves the same problem from the mean over all
+measured steps.
 """
 
 from __future__ import annotations
@@ -72,6 +76,19 @@ def sampled(offset: int, window: int) -> bool:
     """Whether the step ``offset`` steps into a window of ``window`` steps is measured
     (every ``ceil(window / SAMPLES)``-th step from the first; 10 steps: 0, 3, 6, 9)."""
     return offset % max(1, math.ceil(window / SAMPLES)) == 0
+
+
+def measuring_ranks(sizes: Sequence[int], world: int) -> list[int]:
+    """Per layer (``sizes``: values; 0: not measured), the rank that measures it at a
+    window's first sampled step: largest layer first, each to the rank with the fewest
+    values so far (ties: the lower rank, the earlier layer), so every rank of a
+    collective derives the same deal."""
+    load = [0] * max(1, world)
+    out = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(len(load)), key=lambda r: (load[r], r))
+        out[i], load[r] = r, load[r] + sizes[i]
+    return out
 
 
 def _generator(key: int) -> torch.Generator:

@@ -145,6 +145,7 @@ class Auto(Mode):
             return
         self.last_step = step
         sched, verbose = self.adaptive, red.config.verbose
+        sched.measure_share(red.transport.rank, red.transport.size)
         if self.decider is not None:  # times the last step first: the round may end
             self.decider.tick(step, red.transport, verbose, red.timeline)
         if sched.due(step):

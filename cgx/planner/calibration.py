@@ -9,7 +9,9 @@
   cores, the ranks on this host and the compute threads per rank.
 * :func:`compressor_throughput`: bytes of float32 per second through this device's
   quantizer, both ways, and through an fp16 cast (per CPU second of the calling thread
-  on a CPU, so a measurement beside backward still gives the work it costs).
+  on a CPU, so a measurement beside backward still gives the work it costs);
+  :func:`machine_throughput`: the same, measured once per process and setting (a
+  property of the machine: the planner's later rounds reuse it).
 * :func:`trace_backward`: per parameter, when backward produces its gradient (from the
   start of backward), backward's length and the optimizer's; for ``nn.Linear`` weights
   the batch rows the layer saw (what sufficient factors cost).
@@ -17,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -24,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from cgx.planner.costs import AlphaBeta, Collective, CostModel, TensorProfile
+from cgx.planner.costs import AlphaBeta, Collective, TensorProfile
 
 
 def _timed(fn: Callable[[], None], reps: int) -> float:
@@ -217,6 +220,15 @@ def compressor_throughput(numel: int = 1 << 21, bits: int = 4, bucket_size: int 
         timed = lambda fn: _timed_cpu(fn, reps, clock=time.thread_time)[1]  # noqa: E731
     return {"compress_bps": n4 / timed(q), "decompress_bps": n4 / timed(dq),
             "cast_bps": 2 * n4 / timed(cast), "matmul_flops": rows * side * side / timed(rebuild)}
+
+
+@functools.lru_cache(maxsize=None)
+def machine_throughput(bits: int, bucket_size: int, device: str = "cpu") -> dict[str, float]:
+    """:func:`compressor_throughput` of 2^22 values, measured at the first call for these
+    settings and reused after (on a CPU it is CPU time, not the wall clock: what other
+    work shares the cores with it does not move it; that is the model's contention)."""
+    return compressor_throughput(numel=1 << 22, bits=bits, bucket_size=bucket_size,
+                                 device=device, reps=2)
 
 
 def trace_backward(model: torch.nn.Module, step: Callable[[], torch.Tensor],

@@ -428,13 +428,12 @@ def agreed_profile(ready_times: list, settings, transport,
     per tensor, this rank's traced ready times; ``settings``: the PlannedCompression;
     ``device``: the device profile to weigh placements with (None: no choice)."""
     from cgx.comm.base import ReduceOp
-    from cgx.planner.calibration import (compressor_throughput, contention, link_model,
+    from cgx.planner.calibration import (contention, link_model, machine_throughput,
                                          ranks_on_this_host)
     n = len(ready_times)
     local = torch.tensor([statistics.median(r) if r else 0.0 for r in ready_times] + [
         0.0] * 5, dtype=torch.float64)
-    tp = compressor_throughput(numel=1 << 22, bits=settings.bits,
-                               bucket_size=settings.bucket_size, reps=2)
+    tp = machine_throughput(settings.bits, settings.bucket_size)
     local[n:] = torch.tensor([1.0 / tp["compress_bps"], 1.0 / tp["decompress_bps"],
                               1.0 / tp["cast_bps"],
                               contention(ranks_on_this_host(transport),
