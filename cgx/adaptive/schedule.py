@@ -135,7 +135,10 @@ class AdaptiveSchedule:
         on several ranks' gradients. A rank's measuring work per window is 1/world of
         measuring every layer (the project's LM on 2 ranks: 4 sampled steps of about
         50 ms instead of 100 ms); each layer's error is a mean over the window's sampled
-        steps, not over those steps times the ranks."""
+        steps, not over those steps times the ranks. (A layer that only some ranks use,
+        a branch taken on some ranks' inputs, is measured at the sampled steps dealt to
+        them; dealt only to ranks without its gradient, it keeps its level, as an unused
+        layer does.)"""
         self.share = (int(rank), int(world))
 
     def _measures(self, step: int, i: int) -> bool:
