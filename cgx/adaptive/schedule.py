@@ -96,8 +96,9 @@ class AdaptiveSchedule:
         self.budget = 0.0
         self.world = 2  # ranks of the last plan (the candidates' traffic)
         self._traffic: dict[int, list] = {}  # ranks -> per layer, each candidate's traffic
-        # (this rank, ranks): which layers this rank measures at a sampled step (set by the
-        # exchange from its transport: measure_share); and per ranks, each layer's first
+        # (this rank, world size): which layers this rank measures at a sampled step (the
+        # exchange sets it from its transport: measure_share); per world size, the rank
+        # that measures each layer at a window's first sampled step
         self.share = (0, 1)
         self._first_measurer: dict[int, list] = {}
 
@@ -133,8 +134,8 @@ class AdaptiveSchedule:
         largest first to the least loaded rank (:func:`stats.measuring_ranks`), and the
         deal turns by one rank at each sampled step, so over a window a layer is measured
         on several ranks' gradients. A rank's measuring work per window is 1/world of
-        measuring every layer (the project's LM on 2 ranks: 4 sampled steps of about
-        50 ms instead of 100 ms); each layer's error is a mean over the window's sampled
+        measuring every layer (the project's LM on 2 ranks: 4 sampled steps of 50-70 ms
+        instead of 100-140 ms); each layer's error is a mean over the window's sampled
         steps, not over those steps times the ranks. (A layer that only some ranks use,
         a branch taken on some ranks' inputs, is measured at the sampled steps dealt to
         them; dealt only to ranks without its gradient, it keeps its level, as an unused
