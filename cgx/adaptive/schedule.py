@@ -147,10 +147,10 @@ class AdaptiveSchedule:
         rank, world = self.share
         if world <= 1:
             return True
-        if world not in self._first_measurer:
-            sizes = [0 if c is None else math.prod(s)
-                     for s, c in zip(self.shapes, self.candidates)]
-            self._first_measurer[world] = stats.measuring_ranks(sizes, world)
+        if world not in self._first_measurer:  # the work: a large layer's sample at most
+            work = [0 if c is None else min(math.prod(s), stats.SAMPLE_VALUES)
+                    for s, c in zip(self.shapes, self.candidates)]
+            self._first_measurer[world] = stats.measuring_ranks(work, world)
         start = self.next_plan - self.settings.window
         turn = (step - start) // max(1, math.ceil(self.settings.window / stats.SAMPLES))
         return (self._first_measurer[world][i] + turn) % world == rank
@@ -179,9 +179,9 @@ class AdaptiveSchedule:
                 continue  # nothing to measure, or no gradient: nothing to learn
             cands, ranks = self.candidates[i], self._ranks(i)
             name, g = self.names[i], g.detach().reshape(-1).to(torch.float32)
-            measure = sampled and self._measures(step, i)
+            measure = sampled and self._measures(step, i) and bool(torch.isfinite(g).all())
             low = self.scorer.step(name, g, self.shapes[i], ranks, measure) if ranks else None
-            if not measure:
+            if not measure:  # (not finite: a loss-scaling overflow's step is not measured)
                 continue
             errs = stats.candidate_errors(g, cands, rounding=self.rounding, threads=self.threads,
                                           key=stats.step_key(step, name), lowrank=low)

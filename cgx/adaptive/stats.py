@@ -23,14 +23,15 @@ up to :data:`SAMPLES` steps spread over the window and averaged.
 A layer larger than :data:`SAMPLE_VALUES` is measured on a sample of that many
 values (a 4096 x 4096 layer's 24 quantization levels, top-k and PowerSGD took
 seconds a step). Quantization and the 16-bit casts: on whole chunks of buckets drawn
-with probability proportional to their sum of squares (:func:`bucket_sample`, every
-level on the same chunks), each chunk's squared error weighted by the inverse of its
-expected draws, so the sum is unbiased. Either error of a chunk is at most a multiple
-of its sum of squares, and zero without one, so drawing chunks by their mass keeps the
-estimate tight where the gradient's scale varies across the layer: an embedding's
-gradient lives in the rows of the batch's tokens, and chunks spread evenly over the
-layer missed or hit them (half of the project's LM's embedding, sampled evenly: 35-50%
-off from one draw to the next; drawn by mass: 2-3%). Top-k: on values drawn at random
+mostly in proportion to their sum of squares (:func:`bucket_sample`, every level on
+the same chunks; a fifth of the draws spread evenly), each chunk's squared error
+weighted by the inverse of its expected draws, so the sum is unbiased. A chunk's
+quantization error is at most a multiple of its sum of squares, and zero without one,
+so drawing chunks by their mass keeps the estimate tight where the gradient's scale
+varies across the layer: an embedding's gradient lives in the rows of the batch's
+tokens, and chunks spread evenly over the layer missed or hit them (half of the
+project's LM's embedding, sampled evenly: 35-50% off from one draw to the next; drawn
+by mass: 2-3%). Top-k: on values drawn at random
 (:func:`value_sample`), its squared error scaled by the layer's size over the
 sample's. PowerSGD's errors come in closed form from its factors
 (:meth:`PowerSGDScorer.step`), never from the full product.
@@ -70,6 +71,7 @@ SAMPLES = 4  # steps of a window whose errors are measured (spread evenly over i
 SCORE_SEED = 0x5C0E  # stochastic rounding noise of the measurements (not the exchange's)
 SAMPLE_VALUES = 1 << 20  # a larger layer's errors are estimated from this many of its values
 CAST_CHUNK = 4096  # the chunk of a sample for the casts alone (no quantization candidate)
+UNIFORM_SHARE = 0.2  # of a sample's draws spread evenly (the rest by the chunks' mass)
 
 
 def sampled(offset: int, window: int) -> bool:
@@ -78,16 +80,16 @@ def sampled(offset: int, window: int) -> bool:
     return offset % max(1, math.ceil(window / SAMPLES)) == 0
 
 
-def measuring_ranks(sizes: Sequence[int], world: int) -> list[int]:
-    """Per layer (``sizes``: values; 0: not measured), the rank that measures it at a
-    window's first sampled step: largest layer first, each to the rank with the fewest
-    values so far (ties: the lower rank, the earlier layer), so every rank of a
-    collective derives the same deal."""
+def measuring_ranks(work: Sequence[int], world: int) -> list[int]:
+    """Per layer (``work``: the values its measurement reads, a large layer's sample;
+    0: not measured), the rank that measures it at a window's first sampled step: the
+    largest first, each to the rank with the least work so far (ties: the lower rank,
+    the earlier layer), so every rank of a collective derives the same deal."""
     load = [0] * max(1, world)
-    out = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+    out = [0] * len(work)
+    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):
         r = min(range(len(load)), key=lambda r: (load[r], r))
-        out[i], load[r] = r, load[r] + sizes[i]
+        out[i], load[r] = r, load[r] + work[i]
     return out
 
 
@@ -101,30 +103,36 @@ def bucket_sample(x: torch.Tensor, chunk: int, key: int,
     sample the weight that makes the sum of their weighted squared errors an unbiased
     estimate of all of ``x``'s (float64, on the CPU; None: the sample is ``x`` itself).
 
-    Chunks are drawn with probability proportional to their sum of squares: ``limit //
-    chunk`` points spaced evenly over the chunks' cumulative mass, shifted by an offset
-    drawn from ``key`` (systematic sampling); a chunk hit ``h`` times weighs
-    ``h / expected hits``. ``chunk`` is a multiple of every bucket size measured, so each
-    bucket of the sample is a bucket of ``x``; the values after the last whole chunk
-    count in proportion. ``x`` itself when it is no larger than ``limit``, too few
-    chunks would fit, or it is all zeros."""
+    Chunk ``i`` is drawn with probability ``p_i = (1 - UNIFORM_SHARE) * mass_i / total +
+    UNIFORM_SHARE / chunks`` (``mass``: its sum of squares): ``limit // chunk`` points
+    spaced evenly over the cumulative ``p``, shifted by an offset drawn from ``key``
+    (systematic sampling); a chunk hit ``h`` times weighs ``h / expected hits``. The
+    uniform share keeps every chunk's weight bounded where the error is not in proportion
+    to the mass (an fp16 cast of values below its normal range errs by about its fixed
+    step whatever their size). ``chunk`` is a multiple of every bucket size measured, so
+    each bucket of the sample is a bucket of ``x``; the values after the last whole chunk
+    count in proportion. ``x`` itself when it is no larger than ``limit`` or too few
+    chunks would fit."""
     n = x.numel()
     count = limit // max(1, chunk)
     whole = n // max(1, chunk)
     if n <= limit or count < 16 or whole <= count:
         return x, None
     rows = x[:whole * chunk].view(whole, chunk)
-    mass = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32).cpu().double().square()
-    cum = mass.cumsum(0)
-    total = float(cum[-1])
-    if not total > 0 or not math.isfinite(total):  # nothing to weigh by: measured whole
-        return x, None
+    wide = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    mass = torch.linalg.vector_norm(rows, dim=1, dtype=wide).cpu().double().square()
+    total = float(mass.sum())
+    p = torch.full((whole,), 1.0 / whole, dtype=torch.float64)
+    if total > 0 and math.isfinite(total):
+        p = (1 - UNIFORM_SHARE) * mass / total + UNIFORM_SHARE * p
+    cum = p.cumsum(0)
     offset = float(torch.rand((), generator=_generator(key), dtype=torch.float64))
-    points = (torch.arange(count, dtype=torch.float64) + offset) * (total / count)
+    points = ((torch.arange(count, dtype=torch.float64) + offset) / count).clamp_(
+        max=float(cum[-1]) * (1 - 1e-12))
     hits = torch.bincount(torch.searchsorted(cum, points, right=True).clamp_(max=whole - 1),
                           minlength=whole)
     picked = torch.nonzero(hits).reshape(-1)
-    weights = hits[picked].double() * (total / count) / mass[picked] * (n / (whole * chunk))
+    weights = hits[picked].double() / (count * p[picked]) * (n / (whole * chunk))
     return rows[picked.to(x.device)].reshape(-1), weights
 
 

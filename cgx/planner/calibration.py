@@ -222,11 +222,16 @@ def compressor_throughput(numel: int = 1 << 21, bits: int = 4, bucket_size: int 
             "cast_bps": 2 * n4 / timed(cast), "matmul_flops": rows * side * side / timed(rebuild)}
 
 
-@functools.lru_cache(maxsize=None)
 def machine_throughput(bits: int, bucket_size: int, device: str = "cpu") -> dict[str, float]:
     """:func:`compressor_throughput` of 2^22 values, measured at the first call for these
     settings and reused after (on a CPU it is CPU time, not the wall clock: what other
-    work shares the cores with it does not move it; that is the model's contention)."""
+    work shares the cores with it does not move it; that is the model's contention).
+    A copy: the caller may change it."""
+    return dict(_measured_throughput(bits, bucket_size, device))
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_throughput(bits: int, bucket_size: int, device: str) -> dict[str, float]:
     return compressor_throughput(numel=1 << 22, bits=bits, bucket_size=bucket_size,
                                  device=device, reps=2)
 

@@ -61,6 +61,29 @@ def test_the_same_plan_on_every_rank(world):
         assert any(float(v.abs().sum()) > 0 for v in after.values())
 
 
+def _window_counts(rank, world):
+    import cgx.torch as hvd
+    hvd.init()
+    model = _model()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.auto(window=8, adjust_every=100,
+                                         families=("quantize",)))
+    _train(hvd, model, opt, 7)  # the window's sampled steps 0, 2, 4, 6; its plan at step 8
+    return dict(opt._plan.adaptive._counts)
+
+
+def test_the_ranks_split_the_windows_measurements():
+    # the exchange tells the schedule its rank: each planned layer measured once per sampled
+    # step, by one rank (cgx.adaptive.stats.measuring_ranks), over both ranks in the window
+    counts = run_gloo(_window_counts, 2)
+    layers = set(counts[0]) | set(counts[1])
+    assert layers == {"0.weight", "2.weight", "4.weight"}
+    for n in layers:
+        assert counts[0].get(n, 0) + counts[1].get(n, 0) == 4, (n, counts)
+        assert counts[0].get(n, 0) == counts[1].get(n, 0) == 2, (n, counts)
+
+
 def _checkpoint(rank, world, phase, blob):
     import cgx.torch as hvd
     hvd.init()

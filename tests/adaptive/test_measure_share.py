@@ -2,6 +2,7 @@
 one rank (the layers dealt out by size), the deal turning from one sampled step to the next;
 together the ranks measure what one rank measuring everything would."""
 
+import pytest
 import torch
 
 from cgx.adaptive import AdaptiveSchedule
@@ -58,7 +59,8 @@ def test_two_ranks_measure_each_layer_once_per_sampled_step_and_add_up_to_one_ra
     # the same gradients on both ranks: their sums add up to the lone rank's, layer by layer
     for n in planned:
         assert r0._counts[n] + r1._counts[n] == alone._counts[n] == 4
-        assert [a + b for a, b in zip(r0._sums[n], r1._sums[n])] == alone._sums[n]
+        assert [a + b for a, b in zip(r0._sums[n], r1._sums[n])] == pytest.approx(
+            alone._sums[n], rel=1e-12)  # (added in another order)
     # the work is split: each rank measured about half the values
     size = dict(zip(NAMES, [a * b for a, b in (s if len(s) == 2 else (s[0], 1)
                                                 for s in SHAPES)]))
@@ -73,3 +75,29 @@ def test_a_rank_reads_only_the_gradients_it_measures():
     deal = measuring_ranks([a * b for a, b in SHAPES[:5]] + [0], 2)
     assert reads[0] == [i for i in range(5) if deal[i] == 0]
     assert reads[2] == [i for i in range(5) if deal[i] == 1]
+
+
+def test_a_rank_that_does_not_measure_a_layer_still_steps_its_powersgd_scorer():
+    # the scorer's warm start follows the exchange's at every window step, on every rank
+    shapes = [(64, 64), (64, 64)]
+    scheds = []
+    for rank in (0, 1):
+        sched = AdaptiveSchedule(["a", "b"], shapes, [True, True],
+                                 Compression.auto(window=8, families=("quantize", "powersgd")),
+                                 Config())
+        sched.measure_share(rank, 2)
+        scheds.append(sched)
+    g = torch.Generator().manual_seed(1)
+    for step in range(8):
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        for sched in scheds:
+            assert sched.wants(step, 0) and sched.wants(step, 1)
+            sched.observe(step, [0, 1], grads)
+    a, b = (s.scorer.state_dict() for s in scheds)
+    assert set(a["q"]) == set(b["q"]) == {"a", "b"}  # both ranks hold both warm starts...
+    assert a["steps"] == b["steps"] == {"a": 8, "b": 8}  # ...stepped at every window step
+    for n in ("a", "b"):
+        assert torch.equal(a["q"][n], b["q"][n]), n  # ...to the same place
+    for n in ("a", "b"):  # while each measured its share: together every sampled step
+        assert scheds[0]._counts[n] + scheds[1]._counts[n] == 4
+        assert scheds[0]._counts[n] == scheds[1]._counts[n] == 2

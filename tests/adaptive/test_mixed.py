@@ -1,6 +1,7 @@
 """compression="auto" across families: top-k and PowerSGD beside quantization, per layer."""
 
 import io
+import math
 
 import pytest
 import torch
@@ -334,3 +335,19 @@ def test_the_window_reads_a_gradient_only_at_the_steps_that_measure_it():
                  for i, s in enumerate(shapes)]
         sched.observe(step, [0, 1, 2], grads)  # a None read would raise
     assert sched._counts == {"q": 4, "p": 4}
+
+
+def test_a_gradient_that_is_not_finite_is_not_measured():
+    # a loss-scaling overflow's step (inf or nan in a gradient) would make every error of
+    # the layer infinite for the window: it is skipped, as an all-zero gradient is
+    from cgx.adaptive import AdaptiveSchedule
+    from cgx.config import Config
+    sched = AdaptiveSchedule(["w", "v"], [(64, 64), (64, 64)], [True, True],
+                             Compression.auto(window=4, families=("quantize",)), Config())
+    g = torch.Generator().manual_seed(2)
+    for step in range(4):  # every step sampled
+        bad = torch.randn(64, 64, generator=g)
+        bad[3, 5] = float("inf") if step == 1 else float("nan") if step == 2 else bad[3, 5]
+        sched.observe(step, [0, 1], [bad, torch.randn(64, 64, generator=g)])
+    assert sched._counts == {"w": 2, "v": 4}
+    assert all(math.isfinite(e) for e in sched._sums["w"])

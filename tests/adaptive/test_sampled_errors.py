@@ -49,8 +49,10 @@ def test_a_bucket_sample_is_made_of_whole_buckets_of_the_layer():
             quantization_error(x, spec), rel=1e-3)
     small = torch.randn(SAMPLE_VALUES)
     assert bucket_sample(small, 4096, key=7) == (small, None)  # measured whole
-    zeros = torch.zeros(3 * SAMPLE_VALUES)
-    assert bucket_sample(zeros, 4096, key=7)[1] is None  # nothing to weigh by: whole
+    zeros = torch.zeros(3 * SAMPLE_VALUES)  # nothing to weigh by: drawn evenly
+    sample, weights = bucket_sample(zeros, 4096, key=7)
+    assert sample.numel() == SAMPLE_VALUES and weights.tolist() == pytest.approx(
+        [3.0] * (SAMPLE_VALUES // 4096))
 
 
 def _embedding_gradient(rows: int = 8192, cols: int = 512, used: int = 300,
@@ -117,7 +119,28 @@ def test_the_same_key_draws_the_same_sample_and_another_key_another():
 
 
 def test_a_value_beyond_float16_outside_the_sample_still_makes_fp16_infinite():
-    x = torch.zeros(4 * SAMPLE_VALUES)
-    x[12345] = 1e6
-    fp16, bf16 = candidate_errors(x, [Candidate(Family.FP16), Candidate(Family.BF16)], key=1)
-    assert fp16 == math.inf and math.isfinite(bf16)
+    # One value past float16's range among large in-range ones: its chunk holds 0.13% of the
+    # mass and is drawn in none of these samples; the peak, read over the whole layer,
+    # still makes fp16 infinite.
+    x = torch.full((4 * SAMPLE_VALUES,), 2000.0)
+    x[12345] = 7e4
+    cands = [Candidate(Family.FP16), Candidate(Family.BF16)]
+    for key in (1, 4, 5):
+        sample, _ = bucket_sample(x, 4096, key)
+        assert not bool((sample == 7e4).any()), key  # (not drawn)
+        fp16, bf16 = candidate_errors(x, cands, key=key)
+        assert fp16 == math.inf and math.isfinite(bf16)
+
+
+def test_casts_below_float16s_normal_range_are_weighed_too():
+    # Under float16's smallest normal value a cast errs by about its fixed step whatever
+    # the value's size: rows at 5e-7 hold half of the fp16 error and 1e-4 of the mass.
+    # Drawn by mass alone they are hardly sampled (0.71x the error at every draw); the
+    # draws spread evenly keep them in.
+    g = torch.Generator().manual_seed(4)
+    scale = torch.where(torch.arange(2048) < 1024, 5e-5, 5e-7).unsqueeze(1)
+    x = (torch.randn(2048, 2048, generator=g) * scale).reshape(-1)
+    full = cast_error(x, Family.FP16)
+    for key in range(5):
+        sample, weights = bucket_sample(x, 4096, key=key, limit=SAMPLE_VALUES // 4)
+        assert cast_error(sample, Family.FP16, weights) == pytest.approx(full, rel=0.08), key

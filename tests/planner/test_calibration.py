@@ -68,14 +68,16 @@ def test_the_machines_throughput_is_measured_once_per_setting(monkeypatch):
     real = calibration.compressor_throughput
     monkeypatch.setattr(calibration, "compressor_throughput",
                         lambda **kw: calls.append(kw) or real(**{**kw, "numel": 1 << 12}))
-    calibration.machine_throughput.cache_clear()
+    calibration._measured_throughput.cache_clear()
     try:
         first = calibration.machine_throughput(4, 1024)
         assert calibration.machine_throughput(4, 1024) == first  # the planner's next round
+        first["compress_bps"] = 0.0  # a copy: what a caller does with it stays its own
+        assert calibration.machine_throughput(4, 1024)["compress_bps"] > 0
         calibration.machine_throughput(8, 512)
         assert [(c["bits"], c["bucket_size"]) for c in calls] == [(4, 1024), (8, 512)]
     finally:
-        calibration.machine_throughput.cache_clear()  # (the fake's figures are not kept)
+        calibration._measured_throughput.cache_clear()  # (the fake's figures are not kept)
 
 
 def test_command_line_prints_the_plan(tmp_path):
