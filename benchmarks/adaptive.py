@@ -78,19 +78,19 @@ def _heavy_layer(rows: int, cols: int):
     return x * torch.rand(rows, cols, generator=g).pow(3)
 
 
-def _embedding_layer(rows: int, cols: int, used: int = 3000):
+def embedding_gradient(rows: int, cols: int, used: int = 3000, seed: int = 0):
     """An embedding's gradient: the rows of a batch's ``used`` distinct tokens, scaled as
-    token frequencies are (Zipf), every other row zero."""
+    token frequencies are (Zipf), every other row zero (also tests/adaptive's)."""
     import torch
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     x = torch.zeros(rows, cols)
+    idx = torch.randperm(rows, generator=g)[:used]
     freq = 1.0 / torch.arange(1, used + 1, dtype=torch.float32)
-    x[torch.randperm(rows, generator=g)[:used]] = \
-        torch.randn(used, cols, generator=g) * freq.unsqueeze(1)
+    x[idx] = torch.randn(used, cols, generator=g) * freq.unsqueeze(1)
     return x
 
 
-LAYERS = {"heavy-tailed": _heavy_layer, "embedding": _embedding_layer}
+LAYERS = {"heavy-tailed": _heavy_layer, "embedding": embedding_gradient}
 KEYS = (3, 4, 5, 6, 7)  # the sample draws whose errors are compared with the full ones
 
 

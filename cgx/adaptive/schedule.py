@@ -117,8 +117,13 @@ class AdaptiveSchedule:
     def observing(self, step: int) -> bool:
         return self.next_plan - self.settings.window <= step < self.next_plan
 
+    def _turn(self, step: int) -> Optional[int]:
+        """Which of the window's sampled steps ``step`` is (None: not one)."""
+        return stats.sample_turn(step - (self.next_plan - self.settings.window),
+                                 self.settings.window)
+
     def _sampled(self, step: int) -> bool:
-        return stats.sampled(step - (self.next_plan - self.settings.window), self.settings.window)
+        return self._turn(step) is not None
 
     def _ranks(self, i: int) -> list[int]:
         """The PowerSGD ranks layer ``i`` may pick (its scorer iterates at every window step)."""
@@ -143,7 +148,7 @@ class AdaptiveSchedule:
         self.share = (int(rank), int(world))
 
     def _measures(self, step: int, i: int) -> bool:
-        """Whether this rank measures layer ``i`` at the sampled ``step``."""
+        """Whether this rank measures layer ``i`` at ``step`` (a sampled step)."""
         rank, world = self.share
         if world <= 1:
             return True
@@ -151,9 +156,7 @@ class AdaptiveSchedule:
             work = [0 if c is None else min(math.prod(s), stats.SAMPLE_VALUES)
                     for s, c in zip(self.shapes, self.candidates)]
             self._first_measurer[world] = stats.measuring_ranks(work, world)
-        start = self.next_plan - self.settings.window
-        turn = (step - start) // max(1, math.ceil(self.settings.window / stats.SAMPLES))
-        return (self._first_measurer[world][i] + turn) % world == rank
+        return (self._first_measurer[world][i] + self._turn(step)) % world == rank
 
     def wants(self, step: int, i: int) -> bool:
         """Whether :meth:`observe` at ``step`` reads gradient ``i`` (a caller that must copy

@@ -74,10 +74,17 @@ CAST_CHUNK = 4096  # the chunk of a sample for the casts alone (no quantization 
 UNIFORM_SHARE = 0.2  # of a sample's draws spread evenly (the rest by the chunks' mass)
 
 
+def sample_turn(offset: int, window: int) -> Optional[int]:
+    """Which of the window's measured steps the step ``offset`` steps into a window of
+    ``window`` steps is (0, 1, ...), or None when it is not measured (every
+    ``ceil(window / SAMPLES)``-th step from the first; 10 steps: 0, 3, 6, 9)."""
+    every = max(1, math.ceil(window / SAMPLES))
+    return offset // every if offset % every == 0 else None
+
+
 def sampled(offset: int, window: int) -> bool:
-    """Whether the step ``offset`` steps into a window of ``window`` steps is measured
-    (every ``ceil(window / SAMPLES)``-th step from the first; 10 steps: 0, 3, 6, 9)."""
-    return offset % max(1, math.ceil(window / SAMPLES)) == 0
+    """Whether the step ``offset`` steps into a window of ``window`` steps is measured."""
+    return sample_turn(offset, window) is not None
 
 
 def measuring_ranks(work: Sequence[int], world: int) -> list[int]:

@@ -2,6 +2,8 @@
 the estimates agree with the full measurements and keep the candidates' order."""
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,12 @@ from cgx.adaptive.stats import (SAMPLE_VALUES, bucket_sample, candidate_errors, 
                                 lowrank_errors, quantization_error, topk_errors)
 from cgx.config import Rounding
 from cgx.quant.codec import QuantSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # `benchmarks` is not installed; import it from the checkout
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.adaptive import embedding_gradient  # noqa: E402
 
 FAMILIES = [Family.QUANTIZE, Family.TOPK, Family.FP16, Family.BF16]
 
@@ -55,16 +63,9 @@ def test_a_bucket_sample_is_made_of_whole_buckets_of_the_layer():
         [3.0] * (SAMPLE_VALUES // 4096))
 
 
-def _embedding_gradient(rows: int = 8192, cols: int = 512, used: int = 300,
-                        seed: int = 0) -> torch.Tensor:
-    """An embedding's gradient: only the rows of the batch's tokens are non-zero, their
-    scale spread as token frequencies are (Zipf-like)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.zeros(rows, cols)
-    idx = torch.randperm(rows, generator=g)[:used]
-    freq = 1.0 / torch.arange(1, used + 1, dtype=torch.float32)
-    x[idx] = torch.randn(used, cols, generator=g) * freq.unsqueeze(1)
-    return x.reshape(-1)
+def _embedding_gradient() -> torch.Tensor:
+    """An embedding's gradient (benchmarks/adaptive.py's): 300 of 8192 rows used."""
+    return embedding_gradient(8192, 512, used=300).reshape(-1)
 
 
 @pytest.mark.parametrize("rounding", [Rounding.NEAREST, Rounding.STOCHASTIC])
