@@ -113,7 +113,9 @@ def init(config: Optional[Config] = None, *,
             ``cuda:local_rank`` for NCCL, else ``cpu``.
 
     Raises:
-        ConfigError: inconsistent launcher variables, or a transport/backend/
+        ConfigError: a layer rules file (``config.layer_config``,
+            ``CGX_COMPRESSION_CONFIG``) that is missing or not valid; inconsistent
+            launcher variables, or a transport/backend/
             device combination that cannot work (the message says what to change).
         MissingDependencyError: the chosen engine is not installed.
         CGXError: rank 0's address could not be found or published in time.
@@ -158,9 +160,12 @@ def init(config: Optional[Config] = None, *,
 def _config_arg(config: Optional[Config]) -> Config:
     """``init``'s ``config`` argument (default ``Config.from_env()``)."""
     if config is None:
-        return Config.from_env()
+        config = Config.from_env()
     if not isinstance(config, Config):
         raise TypeError(f"config must be a cgx.Config, got {type(config).__name__}")
+    if config.layer_config is not None:  # a missing or bad rules file fails at start
+        from cgx.rules import parse_rules
+        parse_rules(config.layer_config)
     return config
 
 

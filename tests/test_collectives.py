@@ -311,3 +311,33 @@ def test_error_feedback_reduces_flat_on_several_hosts_unless_two_levels_are_aske
     # asked for explicitly: the error says what to change
     for r in run_gloo(_residual_worker, 4, "on"):
         assert "CGX_HIERARCHICAL=auto" in r["error"]
+
+
+def test_statistics_are_thread_safe():
+    """``hvd.stats()`` (the reducer's snapshot) while other threads add statistics, as the
+    engine thread and the training thread do: no addition lost, and every snapshot a
+    consistent copy (fields added together are seen together)."""
+    import threading
+    from cgx.collectives.reducer import Reducer, ReduceStats
+    from cgx.comm.base import SingleProcessTransport
+    red = Reducer(SingleProcessTransport(), Config())
+    seen = []
+
+    def add():
+        for _ in range(3000):
+            red.add_stats(ReduceStats(steps=1, calls=2, exposed_seconds=0.5))
+
+    def watch():
+        for _ in range(1000):
+            s = red.snapshot()
+            seen.append((s.steps, s.calls, s.exposed_seconds))
+
+    threads = [threading.Thread(target=add) for _ in range(4)] + [threading.Thread(target=watch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    total = red.snapshot()
+    assert (total.steps, total.calls, total.exposed_seconds) == (12000, 24000, 6000.0)
+    assert len(seen) == 1000 and all(c == 2 * s and e == 0.5 * s for s, c, e in seen)
+    red.close()

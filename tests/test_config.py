@@ -2,20 +2,43 @@
 
 import pytest
 
-from cgx.config import (ENV_VARS, Config, Hierarchy, ReductionType, Rounding, TransportKind,
+from cgx.config import (ENV_VARS, AutoObjective, CompensationChoice, CompressionMode, Config,
+                        Hierarchy, ReductionType, Rounding, TorchBackend, TransportKind,
                         validate_bits, validate_bucket_size)
 from cgx.errors import ConfigError
 
 
 def test_defaults():
+    """Every default, as README's configuration table states it."""
     cfg = Config.from_env({})
     assert (cfg.bits, cfg.bucket_size, cfg.minimal_size) == (4, 1024, 1024)
     assert cfg.rounding is Rounding.STOCHASTIC and cfg.skip_1d and not cfg.error_feedback
+    assert cfg.compensation is CompensationChoice.AUTO and cfg.seed == 0
+    assert cfg.layer_config is None and cfg.compression is CompressionMode.QUANTIZE
+    assert (cfg.auto_alpha, cfg.auto_window, cfg.auto_adjust_every) == (1.0, 10, 1000)
+    assert cfg.auto_objective is AutoObjective.BYTES
     assert cfg.fusion_buffer_mb == 64.0 and cfg.fusion_buffer_bytes == 64 << 20
     assert cfg.inner_reduction is ReductionType.SRA and cfg.hierarchical is Hierarchy.AUTO
-    assert cfg.transport is TransportKind.AUTO and cfg.timeline is None
+    assert cfg.cross_reduction is ReductionType.SRA
+    assert (cfg.pipeline_chunk_mb, cfg.cpu_threads) == (16.0, 1)
+    assert cfg.transport is TransportKind.AUTO and cfg.backend is TorchBackend.AUTO
+    assert cfg.timeline is None
+    assert (cfg.start_timeout_s, cfg.timeout_s, cfg.stall_warning_s) == (120.0, 300.0, 60.0)
+    assert cfg.check_consistency and not cfg.verbose and cfg.stats_every == 100
     assert cfg.quantization_enabled
     assert cfg == Config()
+
+
+def test_stall_warning_names():
+    """CGX_STALL_WARNING_S, else Horovod's HOROVOD_STALL_CHECK_TIME_SECONDS; 0 or
+    HOROVOD_STALL_CHECK_DISABLE turns it off (unless CGX_STALL_WARNING_S is set)."""
+    stall = lambda env: Config.from_env(env).stall_warning_s  # noqa: E731
+    assert stall({"HOROVOD_STALL_CHECK_TIME_SECONDS": "30"}) == 30.0
+    assert stall({"HOROVOD_STALL_CHECK_TIME_SECONDS": "30", "CGX_STALL_WARNING_S": "5"}) == 5.0
+    assert stall({"CGX_STALL_WARNING_S": "0"}) == 0.0
+    assert stall({"HOROVOD_STALL_CHECK_DISABLE": "1"}) == 0.0
+    assert stall({"HOROVOD_STALL_CHECK_DISABLE": "1", "CGX_STALL_WARNING_S": "7"}) == 7.0
+    assert Config.from_env({"CGX_STATS_EVERY": "0"}).stats_every == 0
 
 
 def test_every_variable_is_read():

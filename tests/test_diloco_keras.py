@@ -74,6 +74,7 @@ def _two(rank, world, tmp):
     model = _compile(_model(0), _streaming(hvd))
     _fit(model, rank, 1)
     model.save(os.path.join(tmp, f"r{rank}.keras"))
+    model.save_weights(os.path.join(tmp, f"r{rank}.weights.h5"))
     out["straight"] = _fit(model, rank, 2)
     out["iterations"] = int(model.optimizer.iterations)
     loaded = hvd.load_model(os.path.join(tmp, f"r{rank}.keras"))
@@ -81,6 +82,11 @@ def _two(rank, world, tmp):
                      loaded.optimizer is not model.optimizer)
     out["resumed"] = _fit(loaded, rank, 2)
     out["resumed_iterations"] = int(loaded.optimizer.iterations)
+    # save_weights/load_weights into a fresh model whose optimizer is built
+    fresh = _compile(_model(1), _streaming(hvd))
+    fresh.optimizer.build(fresh.trainable_variables)
+    fresh.load_weights(os.path.join(tmp, f"r{rank}.weights.h5"))
+    out["weights_resumed"] = _fit(fresh, rank, 2)
     return out
 
 
@@ -107,7 +113,8 @@ def test_save_and_resume_mid_round_is_bit_exact(runs):
     for out in results:
         assert out["loaded"] == ("DiLoCo", 4, True)
         assert out["resumed_iterations"] == out["iterations"] == 12
-        for a, b in zip(out["straight"], out["resumed"]):
+        for a, b, c in zip(out["straight"], out["resumed"], out["weights_resumed"]):
             np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(a, c)  # save_weights carries the state too
     assert not all(np.array_equal(a, b) for a, b in zip(results[0]["straight"],
                                                        results[1]["straight"]))

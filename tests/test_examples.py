@@ -33,8 +33,20 @@ def _accuracy(out: str) -> float:
 
 
 def test_demo():
+    """`make demo`'s table, as README shows it: four exchanges, fewer bytes down the
+    table (fp16 half of fp32, 4-bit and 2-bit several times less), every one learning,
+    the ranks' parameters identical after each."""
     out = _run(EX / "demo.py")
-    assert out.strip(), "make demo printed nothing"
+    rows = re.findall(r"^(?:\[0\]<stdout>:)?\| (fp32 \(uncompressed\)|fp16 cast \(Horovod\)|cgx 4-bit \(default\)|"
+                      r"cgx 2-bit \+ error feedback) +\| +([\d.]+) kB \| +([\d.]+)x \| +[\d.]+ ms "
+                      r"\| +([\d.]+)% \| (\w+) +\|$", out, flags=re.M)
+    assert [r[0] for r in rows] == ["fp32 (uncompressed)", "fp16 cast (Horovod)",
+                                    "cgx 4-bit (default)", "cgx 2-bit + error feedback"], out
+    kb, ratio = [float(r[1]) for r in rows], [float(r[2]) for r in rows]
+    assert kb == sorted(kb, reverse=True) and ratio[0] == 1.0, out
+    assert ratio[1] == pytest.approx(2.0, abs=0.05) and ratio[2] > 6 and ratio[3] > 12, out
+    assert all(float(r[3]) > 85 for r in rows), out  # 10 classes: chance is 10%
+    assert all(r[4] == "yes" for r in rows), out
 
 
 @pytest.mark.parametrize("script,args", [

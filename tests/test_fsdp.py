@@ -270,6 +270,8 @@ def _bad_input(rank, world):
            lambda: cfsdp.compress(model, compression=hvd.Compression.auto(objective="time")))
     expect("topk", ValueError, r"TopKCompressor is not supported by cgx.torch.fsdp: pass",
            lambda: cfsdp.compress(model, compression=hvd.Compression.topk(0.1)))
+    expect("powersgd", ValueError, r"PowerSGDCompressor is not supported by cgx.torch.fsdp",
+           lambda: cfsdp.compress(model, compression=hvd.Compression.powersgd(rank=2)))
     expect("fp16", ValueError, r"MixedPrecisionPolicy\(reduce_dtype=...\)",
            lambda: cfsdp.compress(model, compression=hvd.Compression.fp16))
     return errors
@@ -277,7 +279,7 @@ def _bad_input(rank, world):
 
 def test_bad_input_fails_in_compress():
     (errors,) = run_gloo(_bad_input, 1)
-    assert len(errors) == 13
+    assert len(errors) == 14
 
 
 # -- checkpoints: residuals and step counters in torch.distributed.checkpoint ----------------

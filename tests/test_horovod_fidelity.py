@@ -185,6 +185,25 @@ def test_join_without_the_consistency_check(monkeypatch):
     assert [rep["rets"] for rep in reps] == [[1, 1, 0, 0] * 12] * 2
 
 
+def _names_differ(rank, world):
+    import cgx.torch as hvd
+    hvd.init()
+    from cgx.errors import CollectiveMismatchError
+    try:
+        return hvd.allreduce(torch.full((4,), float(rank + 1)), name=f"metric{rank}",
+                             op=hvd.Sum).tolist()
+    except CollectiveMismatchError as e:
+        return str(e)
+
+
+def test_the_consistency_check_can_be_turned_off(monkeypatch):
+    """CGX_CHECK_CONSISTENCY=0: ranks that name one collective differently are not
+    compared; the values are summed as they come (with the check: an error, above)."""
+    assert "metric0" in run_gloo(_names_differ, 2, timeout=120)[0]
+    monkeypatch.setenv("CGX_CHECK_CONSISTENCY", "0")
+    assert run_gloo(_names_differ, 2, timeout=120) == [[3.0] * 4] * 2
+
+
 # -- TensorFlow ---------------------------------------------------------------------------
 
 def test_tensorflow_collective_gradients_follow_horovod():

@@ -172,7 +172,10 @@ def test_moved_modules_keep_their_old_import_paths():
                                "ready_order_buckets"),
              "cgx.collectives.functional": ("cgx.ops", "reduce_tensors", "Sum", "group_size"),
              "cgx.compression.quantization": ("cgx.quant.codec", "QuantSpec", "quantize"),
-             "cgx.compression.quantizer": ("cgx.compression.quantize", "QuantizeCompressor")}
+             "cgx.compression.quantizer": ("cgx.compression.quantize", "QuantizeCompressor"),
+             "cgx.compression.wire": ("cgx.quant.wire", "packed_nbytes", "noise_key",
+                                      "WIRE_VERSION"),
+             "cgx.compression.cpu": ("cgx.quant.cpu", "quantize", "dequantize", "available")}
     renamed = {"cgx.adaptive": {"Plan": "LevelChoice", "format_plan": "format_levels"},
                "cgx.planner": {"Plan": "ExchangePlan", "format_plan": "format_exchange",
                                "Timeline": "SimulatedStep"}}

@@ -156,6 +156,24 @@ def test_init_argument_errors(kwargs, exc, match):
     assert not cgx.is_initialized()
 
 
+def test_init_checks_the_layer_rules_file(tmp_path, monkeypatch):
+    """A rules file that is missing or not valid fails at init, before any exchange
+    (README: invalid values fail at start), from the environment or the config."""
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError, match=r"missing\.yaml' does not exist \(CGX_COMPRESSION_CONFIG"):
+        cgx.init(config=Config(layer_config=str(missing)))
+    assert not cgx.is_initialized()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("layers:\n  - pattern: '*'\n    bitz: 4\n")
+    monkeypatch.setenv("CGX_COMPRESSION_CONFIG", str(bad))
+    with pytest.raises(ConfigError, match="bad.yaml: rule 0"):
+        cgx.init()
+    assert not cgx.is_initialized()
+    bad.write_text("layers:\n  - pattern: '*'\n    bits: 8\n")
+    cgx.init()
+    assert cgx.is_initialized()
+
+
 def test_init_with_a_ready_transport():
     tr = SingleProcessTransport()
     cgx.init(transport=tr)

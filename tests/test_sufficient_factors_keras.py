@@ -308,9 +308,35 @@ def test_sufficient_factors_need_a_model_and_a_fixed_compression():
     with pytest.raises(TypeError, match="Keras model"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), sufficient_factors=[1, 2])
     model = _sequential()
-    with pytest.raises(ValueError, match="fixed"):
-        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), sufficient_factors=model,
-                                 compression=hvd.Compression.auto())
+    for policy in (hvd.Compression.auto(), hvd.Compression.planned()):
+        with pytest.raises(ValueError, match="fixed"):
+            hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), sufficient_factors=model,
+                                     compression=policy)
+
+
+def test_which_dense_layers_are_routed():
+    """Plain Dense layers only: not a subclass, not one with LoRA, not one whose weights
+    carry a regularizer (its loss term adds to the kernel's gradient)."""
+    import cgx.tensorflow.keras as hvd
+    from cgx.config import Config
+    from cgx.tensorflow.keras.sufficient_factors import routable
+
+    class MyDense(keras.layers.Dense):
+        pass
+
+    plain, sub, lora = keras.layers.Dense(4), MyDense(4), keras.layers.Dense(4)
+    reg = keras.layers.Dense(4, kernel_regularizer="l2")
+    model = keras.Sequential([keras.Input((3,)), plain, sub, lora, reg])
+    lora.enable_lora(2)
+    assert routable(plain) and routable(reg)
+    assert not routable(sub) and not routable(lora)
+    hvd.init(Config())
+    try:
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), sufficient_factors=model)
+        assert opt._factors.routes(plain)
+        assert not any(opt._factors.routes(x) for x in (sub, lora, reg))
+    finally:
+        hvd.shutdown()
 
 
 def _mixed(rank, world, tmp):

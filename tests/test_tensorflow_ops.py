@@ -84,6 +84,16 @@ def _world(rank, world):
     out["scaled"] = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5).numpy()
     out["int_sum"] = hvd.allreduce(tf.constant([rank + 1]), op=hvd.Sum).numpy()
     out["bool_max"] = hvd.allreduce(tf.constant([rank == 1]), op=hvd.Max).numpy()
+    out["dtypes"] = {}  # ranks hold [3, -4] + rank (complex: times 1 - 1j)
+    for dt in (tf.uint8, tf.int8, tf.int16, tf.int32, tf.int64, tf.float16, tf.bfloat16,
+               tf.float64, tf.complex64, tf.complex128):
+        base = tf.constant([3.0, -4.0]) + rank
+        if dt.is_unsigned:
+            base = tf.abs(base)
+        v = tf.complex(base, -base) if dt.is_complex else tf.cast(base, dt)
+        v = tf.cast(v, dt)
+        out["dtypes"][dt.name] = [(r.dtype.name, r.numpy().tolist()) for r in (
+            hvd.allreduce(v, op=hvd.Sum), hvd.allreduce(v, op=hvd.Average))]
     out["variable"] = hvd.allreduce(tf.Variable(x)).numpy()
     out["grouped"] = [t.numpy() for t in hvd.grouped_allreduce([x, x * 2], op=hvd.Sum)]
     big = tf.random.stateless_normal([5000], seed=[rank, 0])
@@ -236,6 +246,19 @@ def test_collectives_and_tape_on_two_ranks():
         np.testing.assert_array_equal(out["scaled"], x0 + x1)
         assert out["int_sum"].tolist() == [3] and out["int_sum"].dtype == np.int32
         assert out["bool_max"].tolist() == [True]
+        # every dtype keeps its type; integers average as Horovod (trunc), complex
+        # numbers keep their imaginary part
+        for name, (summed, averaged) in out["dtypes"].items():
+            assert summed[0] == averaged[0] == name, name
+            if name == "uint8":  # [3, 4] and [4, 3]
+                assert (summed[1], averaged[1]) == ([7, 7], [3, 3])
+            elif "int" in name:  # [3, -4] and [4, -3]
+                assert (summed[1], averaged[1]) == ([7, -7], [3, -3]), name
+            elif "complex" in name:
+                assert (summed[1], averaged[1]) == ([7 - 7j, -7 + 7j],
+                                                    [3.5 - 3.5j, -3.5 + 3.5j]), name
+            else:
+                assert (summed[1], averaged[1]) == ([7.0, -7.0], [3.5, -3.5]), name
         np.testing.assert_array_equal(out["variable"], (x0 + x1) / 2)
         np.testing.assert_array_equal(out["grouped"][1], 2 * (x0 + x1))
         exact = (r0["big"] + r1["big"]) / 2

@@ -146,12 +146,14 @@ def test_communication_overlaps_backward():
 
 # -- checkpoint round trip -----------------------------------------------------------
 
-def _ckpt(rank, world, path, phase):
+def _ckpt(rank, world, path, phase, compression):
     from cgx import Rounding
     hvd = _init(dict(bits=3, rounding=Rounding.STOCHASTIC, error_feedback=True, minimal_size=0))
     model = _model()
-    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
-                                   named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.powersgd(rank=2) if compression == "powersgd"
+        else hvd.Compression.none)
     first = 0
     if phase == "resume":
         state = torch.load(path + f".{rank}", weights_only=False)
@@ -167,16 +169,20 @@ def _ckpt(rank, world, path, phase):
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path + f".{rank}")
         if step >= 4:
             trace.append(torch.cat([p.detach().view(-1) for p in model.parameters()]))
-    has_residuals = bool(opt.state_dict()["cgx"]["plan"]["residuals"])
-    return trace, has_residuals
+    plan = opt.state_dict()["cgx"]["plan"]
+    held = plan["compression"]["q"] if compression == "powersgd" else plan["residuals"]
+    return trace, bool(held)
 
 
-def test_checkpoint_round_trip(tmp_path):
+@pytest.mark.parametrize("compression", ["quantize", "powersgd"])
+def test_checkpoint_round_trip(tmp_path, compression):
+    """Quantized with error feedback (residuals), or PowerSGD (warm starts and its own
+    residuals): the restored run steps as the uninterrupted one did, bit for bit."""
     path = str(tmp_path / "ckpt.pt")
-    full = run_gloo(_ckpt, 2, path, "full")
-    resumed = run_gloo(_ckpt, 2, path, "resume")
+    full = run_gloo(_ckpt, 2, path, "full", compression)
+    resumed = run_gloo(_ckpt, 2, path, "resume", compression)
     for r in range(2):
-        assert full[r][1] and resumed[r][1], "error-feedback residuals were not checkpointed"
+        assert full[r][1] and resumed[r][1], "the compressor's state was not checkpointed"
         for a, b in zip(full[r][0], resumed[r][0]):
             assert torch.equal(a, b), "restored run diverged from the uninterrupted one"
 

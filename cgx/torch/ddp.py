@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from cgx.adaptive.compensation import UpdateRule, update_rule_of
 from cgx.comm.consistency import agree, signature
-from cgx.compression import Compression
+from cgx.compression import AutoCompression, Compression, resolve
 from cgx.exchange import ExchangeOptions, GradientPlan
 from cgx.torch.plan_views import PlanViews
 from cgx.exchange.step import StepRecorder
@@ -42,10 +42,12 @@ class CGXState(PlanViews):
         error_feedback: keep residuals (default: ``config.error_feedback``; with auto,
             by the optimizer, see below). With auto, this wins over the optimizer and
             over ``Compression.auto(error_feedback=...)``.
-        compression: ``"auto"`` or ``Compression.auto(...)``: per-layer levels chosen
-            within an error budget (``cgx.adaptive``), as in ``DistributedOptimizer``;
-            also when ``CGX_COMPRESSION=auto`` (with the ``CGX_AUTO_*`` settings).
-            None: the fixed per-layer specs. The object passed is not changed.
+        compression: any ``Compression`` of ``DistributedOptimizer`` (e.g.
+            ``Compression.quantize(bits=4, rotate=True)``, ``Compression.fp16``), or
+            ``"auto"`` / ``Compression.auto(...)``: per-layer levels chosen within an
+            error budget (``cgx.adaptive``); auto also when ``CGX_COMPRESSION=auto``
+            (with the ``CGX_AUTO_*`` settings). None: the ``CGX_*`` variables' fixed
+            per-layer specs. The object passed is not changed.
         optimizer: the ``torch.optim`` optimizer that applies the averaged gradients
             (auto only): as in ``DistributedOptimizer``, auto keeps error-feedback
             residuals under SGD and not under Adam-type optimizers. Without it (and
@@ -68,14 +70,16 @@ class CGXState(PlanViews):
         ExchangeOptions.checked("CGXState", rules=rules)  # bad rules fail here, not in a hook
         self.config = config or Config.from_env()
         self.process_group = process_group
-        self.auto = compression is not None or self.config.compression is CompressionMode.AUTO
+        given = None if compression is None else resolve(compression)
+        self.auto = isinstance(given, AutoCompression) or (
+            given is None and self.config.compression is CompressionMode.AUTO)
         module = model.module if hasattr(model, "module") else model
         named = list(module.named_parameters())
         # One GradientPlan over all parameters: the specs, the residuals, auto's levels.
         self.plan = GradientPlan(
             [n for n, _ in named], [tuple(p.shape) for _, p in named],
-            _auto_settings(compression, self.config, error_feedback) if self.auto
-            else Compression.none,
+            _auto_settings(given, self.config, error_feedback) if self.auto
+            else given if given is not None else Compression.none,
             rules=rules, update_rule=UpdateRule.UNKNOWN if optimizer is None
             else update_rule_of(optimizer),
             config=self.config if error_feedback is None or self.auto
@@ -133,15 +137,9 @@ def _auto_settings(compression, config: Config, error_feedback: Optional[bool]):
     ``error_feedback`` overrides it: the caller's object is never changed), or those of
     ``CGX_AUTO_*`` when ``CGX_COMPRESSION=auto`` and ``compression`` is None."""
     import copy
-    from cgx.compression import AutoCompression, resolve
-    if compression is None:
-        comp = AutoCompression(alpha=config.auto_alpha, window=config.auto_window,
-                               adjust_every=config.auto_adjust_every)
-    else:
-        comp = resolve(compression)
-    if not isinstance(comp, AutoCompression):
-        raise ValueError(f"CGXState takes compression='auto' or Compression.auto(...) "
-                         f"(other settings come from CGX_* variables), got {comp!r}")
+    comp = compression if compression is not None else AutoCompression(
+        alpha=config.auto_alpha, window=config.auto_window,
+        adjust_every=config.auto_adjust_every)
     if error_feedback is not None:
         comp = copy.copy(comp)
         comp.error_feedback = bool(error_feedback)
