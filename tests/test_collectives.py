@@ -35,13 +35,14 @@ def _inputs(case, rank, seed):
     return xs
 
 
-def _reduce_worker(rank, world, case, seed, algorithm, op_name, pre, post, hier, block_mb):
+def _reduce_worker(rank, world, case, seed, algorithm, op_name, pre, post, hier, block_mb,
+                   cross=ReductionType.SRA):
     from cgx.comm.base import ReduceOp
     from cgx.comm.torch_dist import TorchTransport
     from cgx.collectives import Reducer
 
     t = TorchTransport()
-    cfg = Config(pipeline_chunk_mb=block_mb, seed=7,
+    cfg = Config(pipeline_chunk_mb=block_mb, seed=7, cross_reduction=cross,
                  hierarchical=Hierarchy.ON if hier else Hierarchy.OFF)
     local = cross = None
     if hier:
@@ -151,6 +152,31 @@ def test_hierarchical_four_ranks():
     bounds = _bound(case, 4, 5, 1.0, 0.25, exact, ReductionType.SRA)
     for i, x in enumerate(ref):
         assert (x.double() - exact[i]).abs().max().item() <= 2 * bounds[i]
+
+
+def _cross_types_worker(rank, world):
+    return {cross: _reduce_worker(rank, world, _case_tensors(NEAREST), 5, ReductionType.SRA,
+                                  "AVERAGE", 1.0, 1.0, True, 0.05, cross)
+            for cross in ReductionType}
+
+
+@pytest.mark.multiproc
+def test_hierarchical_cross_reduction_types():
+    """CGX_CROSS_REDUCTION_TYPE (``Config.cross_reduction``) picks the algorithm between
+    hosts: each one's result is the same on every rank and within the two-level bound,
+    and they are not one algorithm (the allgather's sums its peers' payloads unrequantized)."""
+    case = _case_tensors(NEAREST)
+    res = run_gloo(_cross_types_worker, 4)
+    exact = _exact(case, 4, 5, "AVERAGE", 1.0, 1.0)
+    bounds = _bound(case, 4, 5, 1.0, 0.25, exact, ReductionType.SRA)
+    for cross in ReductionType:
+        ref = res[0][cross][0]
+        for out in res:
+            assert all(torch.equal(a, b) for a, b in zip(out[cross][0], ref)), cross
+        for i, x in enumerate(ref):
+            assert (x.double() - exact[i]).abs().max().item() <= 2 * bounds[i], (cross, i)
+    sra, gather = res[0][ReductionType.SRA][0], res[0][ReductionType.ALLGATHER][0]
+    assert not all(torch.equal(a, b) for a, b in zip(sra, gather))
 
 
 def _exact_ops_worker(rank, world):
