@@ -163,9 +163,10 @@ def _check_layout(state: CGXState, name: str, grads, indices) -> None:
 def _reduce(state: CGXState, bucket: dist.GradBucket, fut: torch.futures.Future,
             step: int) -> None:
     try:
-        grads = [g.view(-1) for g in bucket.gradients()]
-        params = bucket.parameters()
-        indices = [state.index[id(p)] for p in params]
+        indices = [state.index[id(p)] for p in bucket.parameters()]
+        # each gradient in its parameter's shape, as the optimizer's exchange sees it
+        # (PowerSGD factors a matrix: flat, it would travel exact)
+        grads = [g.view(state.plan.shapes[i]) for g, i in zip(bucket.gradients(), indices)]
         name = f"ddp.bucket{bucket.index()}"
         if state.config.check_consistency:
             _check_layout(state, name, grads, indices)
