@@ -113,6 +113,21 @@ def test_collectives_match_horovod_semantics():
     assert torch.equal(r0["rs"], full[:3]) and torch.equal(r1["rs"], full[3:])
 
 
+def _hook_errors(a, b, rank: int, steps: int) -> list:
+    """Per step (parameters fixed, this rank's batches): the largest relative difference
+    of ``a``'s gradients (through the cgx hook) from ``b``'s (DDP's own average)."""
+    g = torch.Generator().manual_seed(rank)
+    errs = []
+    for _ in range(steps):
+        x = torch.randn(8, 32, generator=g)
+        for m in (a, b):
+            m.zero_grad()
+            m(x).square().mean().backward()
+        errs.append(max(((p.grad - q.grad).abs().max() / (q.grad.abs().max() + 1e-12)).item()
+                        for p, q in zip(a.parameters(), b.parameters())))
+    return errs
+
+
 def _ddp_hook(rank, world, bits):
     import cgx.torch as hvd
     from cgx.config import Config, Rounding
@@ -126,18 +141,7 @@ def _ddp_hook(rank, world, bits):
     state = hvd.CGXState(a, config=Config(bits=bits, minimal_size=0, rounding=Rounding.NEAREST),
                          error_feedback=bits < 32)
     a.register_comm_hook(state, hvd.cgx_hook)
-    g = torch.Generator().manual_seed(rank)
-    errs = []
-    for step in range(3):
-        x = torch.randn(8, 32, generator=g)
-        for m in (a, b):
-            m.zero_grad()
-            m(x).square().mean().backward()
-        errs.append(max(((p.grad - q.grad).abs().max() / (q.grad.abs().max() + 1e-12)).item()
-                        for p, q in zip(a.parameters(), b.parameters())))
-        with torch.no_grad():
-            for p, q in zip(a.parameters(), b.parameters()):
-                q.copy_(p)  # keep b at a's parameters so only this step's error counts
+    errs = _hook_errors(a, b, rank, 3)
     grads = torch.cat([p.grad.view(-1) for p in a.parameters()])
     clone = pickle.loads(pickle.dumps(state))
     # A checkpoint of the format that kept residuals beside the plan still loads.
@@ -179,16 +183,8 @@ def _hook_compressions(rank, world):
         a, b = DDP(mlp()), DDP(mlp())
         b.load_state_dict(a.state_dict())
         a.register_comm_hook(hvd.CGXState(a, compression=comp), hvd.cgx_hook)
-        g = torch.Generator().manual_seed(rank)
-        errs = []
-        for _ in range(6):
-            x = torch.randn(8, 32, generator=g)
-            for m in (a, b):
-                m.zero_grad()
-                m(x).square().mean().backward()
-            errs.append(max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
-                            for p, q in zip(a.parameters(), b.parameters())))
-        out[name] = errs, torch.cat([p.grad.view(-1) for p in a.parameters()])
+        out[name] = (_hook_errors(a, b, rank, 6),
+                     torch.cat([p.grad.view(-1) for p in a.parameters()]))
     return out
 
 
