@@ -15,10 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `benchmarks` is not installed; import it from the checkout
-    sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.netsim import (  # noqa: E402
+from benchmarks.netsim import (
     NetnsUnavailable,
     RankFailedError,
     Shaping,
@@ -29,6 +27,7 @@ from benchmarks.netsim import (  # noqa: E402
     parse_size,
     parse_time,
 )
+
 
 def _started(**kwargs) -> SlowNetwork:
     net = SlowNetwork(**kwargs)

@@ -90,8 +90,7 @@ def _world(rank, world):
         base = tf.constant([3.0, -4.0]) + rank
         if dt.is_unsigned:
             base = tf.abs(base)
-        v = tf.complex(base, -base) if dt.is_complex else tf.cast(base, dt)
-        v = tf.cast(v, dt)
+        v = tf.cast(tf.complex(base, -base) if dt.is_complex else base, dt)
         out["dtypes"][dt.name] = [(r.dtype.name, r.numpy().tolist()) for r in (
             hvd.allreduce(v, op=hvd.Sum), hvd.allreduce(v, op=hvd.Average))]
     out["variable"] = hvd.allreduce(tf.Variable(x)).numpy()

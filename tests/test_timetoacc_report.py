@@ -8,15 +8,9 @@ interleaves the methods inside every round.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `benchmarks` is not installed; import it from the checkout
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks import train  # noqa: E402
-from benchmarks.timetoacc import report  # noqa: E402
+from benchmarks import train
+from benchmarks.timetoacc import report
 
 
 def _record(method, seed, rnd, final_loss, reach_s):

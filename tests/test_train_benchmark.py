@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `benchmarks` is not installed; import it from the checkout
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks import train  # noqa: E402
-from benchmarks.netsim import NetnsUnavailable  # noqa: E402
-from benchmarks.netsim.network import check_available  # noqa: E402
-from benchmarks.timetoacc import methods, report  # noqa: E402
-from benchmarks.timetoacc.workloads import TINY  # noqa: E402
+from benchmarks import train
+from benchmarks.netsim import NetnsUnavailable
+from benchmarks.netsim.network import check_available
+from benchmarks.timetoacc import methods, report
+from benchmarks.timetoacc.workloads import TINY
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiproc]
 STEPS = 4

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.training import _merge, _step  # noqa: E402
+from benchmarks.training import _merge, _step
 
 
 def test_rounds_report_the_median_of_their_means_and_keep_every_step():

@@ -2,8 +2,6 @@
 the estimates agree with the full measurements and keep the candidates' order."""
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,11 +12,8 @@ from cgx.adaptive.stats import (SAMPLE_VALUES, bucket_sample, candidate_errors, 
 from cgx.config import Rounding
 from cgx.quant.codec import QuantSpec
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # `benchmarks` is not installed; import it from the checkout
-    sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.adaptive import embedding_gradient
 
-from benchmarks.adaptive import embedding_gradient  # noqa: E402
 
 FAMILIES = [Family.QUANTIZE, Family.TOPK, Family.FP16, Family.BF16]
 

@@ -5,16 +5,9 @@ bytes); each within the check period."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # `benchmarks` is not installed; import it from the checkout
-    sys.path.insert(0, str(REPO_ROOT))
-
-from benchmarks.netsim import NetnsUnavailable, SlowNetwork, list_namespaces  # noqa: E402
+from benchmarks.netsim import NetnsUnavailable, SlowNetwork, list_namespaces
 
 EVERY, TRIAL_STEPS, PLANS = 5, 5, 4  # PLANS: exact, uniform 4-bit, fewest bytes, planned
 # The longest round: the default 3 warm-up steps, then each plan's settle step and its
