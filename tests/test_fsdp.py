@@ -282,6 +282,80 @@ def test_bad_input_fails_in_compress():
     assert len(errors) == 14
 
 
+def _meshes_not_the_job(rank, world):
+    """A mesh over some ranks only, and two meshes: errors from compress() (every rank
+    builds every mesh: a mesh's process group is made by all ranks)."""
+    import cgx.torch as hvd
+    import cgx.torch.fsdp as cfsdp
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    hvd.init()
+    some = DeviceMesh("cpu", torch.arange(world - 1))
+    first, second = (init_device_mesh("cpu", (world,)) for _ in range(2))
+    out = {}
+    if rank < world - 1:
+        with pytest.raises(ValueError) as err:
+            cfsdp.compress(fully_shard(torch.nn.Linear(3, 4), mesh=some))
+        out["some"] = str(err.value)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    fully_shard(model[0], mesh=first)
+    fully_shard(model, mesh=second)
+    with pytest.raises(ValueError) as err:
+        cfsdp.compress(model)
+    out["two"] = str(err.value)
+    return out
+
+
+def test_a_mesh_that_is_not_the_whole_job_fails_in_compress():
+    outs = run_gloo(_meshes_not_the_job, 3)
+    for out in outs[:2]:
+        assert out["some"].startswith("the FSDP mesh spans ranks [0, 1], but cgx's world is "
+                                      "ranks 0..2"), out["some"]
+        assert "shard over a mesh of the whole job" in out["some"]
+    assert "some" not in outs[2]
+    for out in outs:
+        assert "live on 2 device meshes" in out["two"], out["two"]
+
+
+def _8bit_grads(rank, factor=None, force_sum=True):
+    """One 8-bit step of a fresh model with ``factor`` set on every fully_shard module (the
+    factor is each module's own); its local gradient shards."""
+    import cgx.torch as hvd
+    import cgx.torch.fsdp as cfsdp
+    from torch.distributed.fsdp import FSDPModule
+    model = _shard(_mlp())
+    cfsdp.compress(model, compression=hvd.Compression.quantize(bits=8))
+    for m in model.modules():
+        if isinstance(m, FSDPModule) and factor is not None:
+            m.set_force_sum_reduction_for_comms(force_sum)
+            m.set_gradient_divide_factor(factor)
+    model(_batch(rank, 0)).square().mean().backward()
+    return [p.grad.to_local().clone() for p in model.parameters() if p.requires_grad]
+
+
+def _divide_factor(rank, world):
+    """FSDP's default average, set_gradient_divide_factor 1.0 (the sum, as for a loss
+    normalized by the global token count) and 4 x world; then with the sum-only reduction
+    turned off again: the first backward fails."""
+    import cgx.torch as hvd
+    hvd.init()
+    grads = {f: _8bit_grads(rank, f) for f in (None, 1.0, 4.0 * world)}
+    with pytest.raises(ValueError) as err:
+        _8bit_grads(rank, 4.0 * world, force_sum=False)
+    return grads, str(err.value)
+
+
+def test_set_gradient_divide_factor_scales_the_compressed_sum():
+    for g, message in run_gloo(_divide_factor, 2):
+        # the same quantized sum (the division comes after it), divided as FSDP2 divides
+        for avg, total, eighth in zip(g[None], g[1.0], g[8.0]):
+            assert torch.equal(total, 2 * avg)
+            assert torch.allclose(eighth, total / 8, rtol=1e-6, atol=0)
+        assert any(a.abs().sum() > 0 for a in g[None])
+        assert message.startswith("FSDP asked for a reduce-scatter with op"), message
+        assert "keep set_force_sum_reduction_for_comms(True)" in message
+
+
 # -- checkpoints: residuals and step counters in torch.distributed.checkpoint ----------------
 
 def _compressed_mlp():

@@ -49,7 +49,12 @@ rules (``CGX_LAYER_CONFIG``) do not apply: a group's gradients travel as one fla
 Not supported (``ValueError`` from :func:`compress`): HSDP (a 2-D mesh with a replicate
 dimension), a mesh over other ranks than cgx's world, ``Compression.planned()``, top-k
 and PowerSGD, ``"auto"`` with ``cross_compression`` or ``objective="time"``.
-``set_gradient_divide_factor`` with a quantized reduce-scatter fails at the first backward.
+
+Gradient scaling stays FSDP2's: a compressing :func:`compress` has FSDP2 reduce with a sum
+and divide afterwards (``set_force_sum_reduction_for_comms(True)`` on every module), so
+``set_gradient_divide_factor`` (1.0 for a sum, as when the loss is normalized by the
+global token count) works as without cgx. Turning the sum-only reduction off again makes
+the first backward fail (cgx's reduce-scatter averages or sums, it cannot pre-multiply).
 """
 
 from __future__ import annotations
@@ -122,6 +127,8 @@ def compress(model: torch.nn.Module, compression=Compression.none, *, cross_comp
     state = FSDPCompression(levels, params_spec, topology, _seed(compression), auto)
     for name, module in modules:
         module.set_custom_reduce_scatter(CGXReduceScatter(state, name or "<root>"))
+        if levels is not None:  # exact: FSDP2's own collective, bit for bit
+            module.set_force_sum_reduction_for_comms(True)  # FSDP2 divides, by its factor
         if params_spec is not None:
             module.set_custom_all_gather(CGXAllGather(state, name or "<root>"))
     return state
@@ -284,8 +291,9 @@ def _is_average(op) -> bool:
     if op == dist.ReduceOp.SUM:
         return False
     raise ValueError(f"FSDP asked for a reduce-scatter with op {op}; cgx's quantized "
-                     "reduce-scatter averages or sums (set_gradient_divide_factor is not "
-                     "supported with compression: scale the loss instead)")
+                     "reduce-scatter averages or sums: keep set_force_sum_reduction_for_comms"
+                     "(True), which cgx.torch.fsdp.compress() set, so that FSDP applies "
+                     "set_gradient_divide_factor after the sum")
 
 
 def _fsdp_modules(model) -> list:
