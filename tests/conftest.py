@@ -52,14 +52,12 @@ def horovodrun() -> str:
 
 
 # Modules whose tests assert timing (overlap with backward, stall and drift detection,
-# measured link rates): `make test` runs them alone, after the parallel part
-# (pytest-xdist), so that no neighbouring test takes their cores. The benchmarks' own
-# tests (test_train_benchmark.py, test_training_benchmark.py) assert what was trained
-# and counted, not how fast: they run in the parallel part, as test_bytes_sent.py does.
+# measured link rates) or run the benchmarks: `make test` runs them alone, after the
+# parallel part (pytest-xdist), so that no neighbouring test takes their cores.
 SERIAL_MODULES = frozenset({
     "test_torch_optimizer.py", "test_sufficient_factors.py", "test_tensorflow_overlap.py",
     "test_netsim.py", "test_reliability.py", "test_reliability_keras.py",
-    "test_observability.py",
+    "test_train_benchmark.py", "test_training_benchmark.py", "test_observability.py",
     "test_planned_mode.py", "test_calibration.py", "test_auto_world.py",
     "test_deciding_netsim.py", "test_deciding_mode.py",
 })
