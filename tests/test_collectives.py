@@ -36,13 +36,13 @@ def _inputs(case, rank, seed):
 
 
 def _reduce_worker(rank, world, case, seed, algorithm, op_name, pre, post, hier, block_mb,
-                   cross=ReductionType.SRA):
+                   cross_type=ReductionType.SRA):
     from cgx.comm.base import ReduceOp
     from cgx.comm.torch_dist import TorchTransport
     from cgx.collectives import Reducer
 
     t = TorchTransport()
-    cfg = Config(pipeline_chunk_mb=block_mb, seed=7, cross_reduction=cross,
+    cfg = Config(pipeline_chunk_mb=block_mb, seed=7, cross_reduction=cross_type,
                  hierarchical=Hierarchy.ON if hier else Hierarchy.OFF)
     local = cross = None
     if hier:

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
 from benchmarks.netsim import (
     NetnsUnavailable,
     RankFailedError,
@@ -27,6 +25,8 @@ from benchmarks.netsim import (
     parse_size,
     parse_time,
 )
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _started(**kwargs) -> SlowNetwork:
