@@ -230,6 +230,59 @@ def test_auto_gives_each_group_a_level_within_the_error_budget():
     assert sum(r["error"] for r in looser) <= 3 * sum(r["error"] for r in plan) * (1 + 1e-6)
 
 
+# -- tied weights: FSDP2 holds a tied parameter once; its compressed gradient is both uses' ----
+
+class _Tied(torch.nn.Module):
+    """An embedding whose weight is also the output head's (as in most LMs)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(16, 24)
+        self.mid = torch.nn.Linear(24, 24)
+        self.head = torch.nn.Linear(24, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(torch.relu(self.mid(self.embed(x))))
+
+
+def _tied(rank, world):
+    """Full gradients of one step: one process on every rank's batch (the reference, its
+    gradients averaged over the ranks' batches), plain FSDP2 and 8-bit FSDP2."""
+    import cgx.torch as hvd
+    import cgx.torch.fsdp as cfsdp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    hvd.init()
+    loss = torch.nn.functional.cross_entropy
+    ref = _Tied()
+    for r in range(world):
+        (loss(ref(_lm_batch(r, 0)[0]), _lm_batch(r, 0)[1]) / world).backward()
+    out = {"reference": {n: p.grad for n, p in ref.named_parameters()}}
+    for name, comp in (("plain", None),
+                       ("8-bit", hvd.Compression.quantize(bits=8, rounding="nearest"))):
+        model, mesh = _Tied(), init_device_mesh("cpu", (world,))
+        fully_shard(model.mid, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if comp is not None:
+            cfsdp.compress(model, compression=comp)
+        x, y = _lm_batch(rank, 0)
+        loss(model(x), y).backward()
+        out[name] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return out
+
+
+def test_tied_weights_reduce_both_uses_once():
+    for out in run_gloo(_tied, 2):
+        ref = out["reference"]
+        assert "head.weight" not in ref and set(out["plain"]) == set(out["8-bit"]) == set(ref)
+        for n, g in ref.items():
+            assert torch.allclose(out["plain"][n], g, rtol=1e-5, atol=1e-7), n
+            err = (out["8-bit"][n] - g).abs().max() / g.abs().max()
+            assert 0 < err < 0.05, (n, float(err))
+
+
 # -- bad input: clear errors from compress(), before the first step -------------------------
 
 def _bad_input(rank, world):
