@@ -114,7 +114,7 @@ def adam_param_groups(hvd, shard):
     return list(model.parameters())
 
 
-class _Tied(torch.nn.Module):
+class TiedAndReused(torch.nn.Module):
     """Input embedding and output layer share one weight; a block is applied twice."""
 
     def __init__(self):
@@ -130,7 +130,7 @@ class _Tied(torch.nn.Module):
 
 
 def tied_and_reused_weights(hvd, shard):
-    model = _Tied()
+    model = TiedAndReused()
     opt = _opt(hvd, model, torch.optim.SGD(model.parameters(), lr=0.1))
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)

@@ -232,51 +232,45 @@ def test_auto_gives_each_group_a_level_within_the_error_budget():
 
 # -- tied weights: FSDP2 holds a tied parameter once; its compressed gradient is both uses' ----
 
-class _Tied(torch.nn.Module):
-    """An embedding whose weight is also the output head's (as in most LMs)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Embedding(16, 24)
-        self.mid = torch.nn.Linear(24, 24)
-        self.head = torch.nn.Linear(24, 16, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, x):
-        return self.head(torch.relu(self.mid(self.embed(x))))
+def _tokens(rank: int):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randint(0, 20, (6, 5), generator=g), torch.randint(0, 20, (6,), generator=g)
 
 
 def _tied(rank, world):
-    """Full gradients of one step: one process on every rank's batch (the reference, its
-    gradients averaged over the ranks' batches), plain FSDP2 and 8-bit FSDP2."""
+    """Full gradients of one step of the equivalence patterns' tied embedding/output and
+    reused block: one process on every rank's batch (the reference, its gradients averaged
+    over the ranks' batches), plain FSDP2 and 8-bit FSDP2."""
     import cgx.torch as hvd
     import cgx.torch.fsdp as cfsdp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from patterns_torch import TiedAndReused
     hvd.init()
     loss = torch.nn.functional.cross_entropy
-    ref = _Tied()
+    ref = TiedAndReused()
     for r in range(world):
-        (loss(ref(_lm_batch(r, 0)[0]), _lm_batch(r, 0)[1]) / world).backward()
+        x, y = _tokens(r)
+        (loss(ref(x), y) / world).backward()
     out = {"reference": {n: p.grad for n, p in ref.named_parameters()}}
     for name, comp in (("plain", None),
                        ("8-bit", hvd.Compression.quantize(bits=8, rounding="nearest"))):
-        model, mesh = _Tied(), init_device_mesh("cpu", (world,))
-        fully_shard(model.mid, mesh=mesh)
+        model, mesh = TiedAndReused(), init_device_mesh("cpu", (world,))
+        fully_shard(model.block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         if comp is not None:
             cfsdp.compress(model, compression=comp)
-        x, y = _lm_batch(rank, 0)
+        x, y = _tokens(rank)
         loss(model(x), y).backward()
         out[name] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     return out
 
 
-def test_tied_weights_reduce_both_uses_once():
+def test_tied_and_reused_weights_reduce_every_use_once():
     for out in run_gloo(_tied, 2):
         ref = out["reference"]
-        assert "head.weight" not in ref and set(out["plain"]) == set(out["8-bit"]) == set(ref)
+        assert set(ref) == {"emb.weight", "block.weight", "block.bias"}
+        assert set(out["plain"]) == set(out["8-bit"]) == set(ref)
         for n, g in ref.items():
             assert torch.allclose(out["plain"][n], g, rtol=1e-5, atol=1e-7), n
             err = (out["8-bit"][n] - g).abs().max() / g.abs().max()
