@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny models (the test suite's version)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where every rank's model trains (cuda: all ranks on one GPU, their "
-                        "bytes over Gloo; DDP's, FSDP2's and cgx's methods)")
+                        "bytes over Gloo; DDP's, FSDP2's, post-local SGD's and cgx's methods)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--resume", action="store_true", help="keep the runs already in <out>.json")
     p.add_argument("--out", default="docs/results/train")
@@ -260,9 +260,10 @@ def main(argv=None) -> int:
         import torch
         if not torch.cuda.is_available():
             p.error("--device cuda: torch sees no CUDA device here")
-        unsupported = [m for m in args.methods or () if m.startswith(("horovod", "torch"))]
+        unsupported = [m for m in args.methods or () if m.startswith("horovod")]
         if unsupported or not args.methods:
-            p.error("--device cuda runs DDP's, FSDP2's and cgx's methods (name them with "
+            p.error("--device cuda runs DDP's, FSDP2's, torch's post-local SGD and cgx's "
+                    "methods (name them with "
                     f"--methods); not {', '.join(unsupported) or 'the default list'}")
 
     from benchmarks.netsim import NetnsUnavailable

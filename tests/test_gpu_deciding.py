@@ -12,7 +12,8 @@ Checked here:
   rank 0 measures the GPU (``calibrate_device``), every rank plans with that profile, each
   quantized tensor is placed on the GPU or offloaded to the host's C path, and the
   exchange does what the plan says (offloaded calls happen exactly when a tensor is
-  placed ``@cpu``); the parameters stay identical on both ranks.
+  placed ``@cpu``; rank 0's calibration makes a few of its own, counted apart); the
+  parameters stay identical on both ranks.
 
 The same modes on CPU ranks: tests/deciding/, tests/planner/test_planned_mode.py.
 """
@@ -70,24 +71,35 @@ def test_the_deciding_exchange_on_cuda_agrees_on_both_ranks_and_trains():
 
 def _planned(rank, world, device, steps):
     from cgx.collectives import offload
+    from cgx.planner import placement
     hvd = init_on(device)
-    calls = {"offloaded": 0}
-    codec = offload.quantize
+    # Offloaded quantizations of CUDA tensors: by the exchange, and by rank 0's calibration
+    # (calibrate_device times a few offloaded calls for the profile's copy_s).
+    calls = {"offloaded": 0, "calibration": 0, "calibrating": False}
+    codec, fixed_cost = offload.quantize, placement._offload_fixed_s
 
     def counted(x, *args, **kwargs):
-        calls["offloaded"] += int(x.is_cuda)
+        calls["calibration" if calls["calibrating"] else "offloaded"] += int(x.is_cuda)
         return codec(x, *args, **kwargs)
 
-    offload.quantize = counted
+    def calibrating(*args, **kwargs):
+        calls["calibrating"] = True
+        try:
+            return fixed_cost(*args, **kwargs)
+        finally:
+            calls["calibrating"] = False
+
+    offload.quantize, placement._offload_fixed_s = counted, calibrating
     model = _model(device)
     comp = hvd.Compression.planned(calibrate_steps=3, assume_gbit=0.01, trials=False)
     opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=3e-3),
                                    named_parameters=model.named_parameters(), compression=comp)
     losses = _steps(opt, model, rank, steps, device)
-    offload.quantize = codec
+    offload.quantize, placement._offload_fixed_s = codec, fixed_cost
     plan = opt.exchange_plan()
     return {"chosen": [o.name for o in plan.chosen], "profile": plan.model.device.to_dict(),
-            "offloaded": calls["offloaded"], "losses": losses,
+            "offloaded": calls["offloaded"], "calibration": calls["calibration"],
+            "losses": losses,
             "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()}
 
 
@@ -101,6 +113,9 @@ def test_planned_mode_on_cuda_measures_the_gpu_and_places_each_quantized_tensor(
     # at 10 Mbit/s every weight is quantized, on the GPU or offloaded
     weights = a["chosen"][0::2]
     assert all(c.startswith("sra-") for c in weights), a["chosen"]
+    # rank 0 alone measured the offloaded call's fixed cost; the exchange offloads exactly
+    # when the plan places a tensor on the host
+    assert a["calibration"] > 0 and b["calibration"] == 0, (a["calibration"], b["calibration"])
     placed_on_host = any(c.endswith("@cpu") for c in a["chosen"])
     for r in (a, b):
         assert (r["offloaded"] > 0) == placed_on_host, (r["offloaded"], a["chosen"])
