@@ -149,14 +149,13 @@ def test_auto_takes_the_smallest_h_whose_exchange_hides():
 
 
 def test_benchmark_method_names():
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.timetoacc import methods
     for name in ("cgx-diloco-h50", "cgx-diloco-h7", "cgx-diloco-auto", "cgx-diloco-streaming",
-                 "torch-postlocal-sgd", "torch-postlocal-sgd-h10"):
+                 "cgx-localsgd", "cgx-localsgd-h20", "torch-postlocal-sgd",
+                 "torch-postlocal-sgd-h10"):
         assert methods.check(name) == name
-    for bad in ("cgx-diloco-h0", "cgx-diloco", "cgx-diloco-fast", "torch-postlocal-sgd-h"):
+    for bad in ("cgx-diloco-h0", "cgx-diloco", "cgx-diloco-fast", "torch-postlocal-sgd-h",
+                "cgx-localsgd-h0", "cgx-localsgd-"):
         with pytest.raises(ValueError, match="unknown method"):
             methods.check(bad)
 

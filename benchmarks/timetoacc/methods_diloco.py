@@ -7,6 +7,9 @@ Names:
     cgx-diloco-auto        the same, H chosen from the measured link and step time
     cgx-diloco-streaming   Streaming DiLoCo: H = 50 in 5 fragments, each exchange overlapping
                            the next inner step
+    cgx-localsgd[-h<N>]    cgx.torch.DiLoCo with ``outer_optimizer=None``: the ranks' parameter
+                           change averaged every N (50) steps through the same 4-bit exchange
+                           and applied as it is (local SGD; post-local SGD's, compressed)
     torch-postlocal-sgd[-h<N>]  torch.distributed's PostLocalSGDOptimizer with a
                            PeriodicModelAverager (parameters averaged exactly every N = 50
                            steps, no outer optimizer)
@@ -22,9 +25,10 @@ import re
 
 from benchmarks.timetoacc.counters import cgx_counters, init_cgx
 
-DILOCO_METHODS = ("cgx-diloco-h50", "cgx-diloco-auto", "cgx-diloco-streaming",
+DILOCO_METHODS = ("cgx-diloco-h50", "cgx-diloco-auto", "cgx-diloco-streaming", "cgx-localsgd",
                   "torch-postlocal-sgd")
 _NAME = re.compile(r"^(?:cgx-diloco-(?:h(?P<h>[1-9][0-9]*)|(?P<mode>auto|streaming))"
+                   r"|cgx-localsgd(?:-h(?P<lh>[1-9][0-9]*))?"
                    r"|torch-postlocal-sgd(?:-h(?P<ph>[1-9][0-9]*))?)$")
 STREAMING = {"sync_every": 50, "fragments": 5, "delay": 1}
 POSTLOCAL_PERIOD = 50
@@ -42,7 +46,9 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
     if name.startswith("torch-postlocal-sgd"):
         return _postlocal(model, make_optimizer, world, int(m.group("ph") or POSTLOCAL_PERIOD))
     hvd = init_cgx(model)
-    if m.group("h"):
+    if name.startswith("cgx-localsgd"):
+        kwargs = {"sync_every": int(m.group("lh") or POSTLOCAL_PERIOD), "outer_optimizer": None}
+    elif m.group("h"):
         kwargs = {"sync_every": int(m.group("h"))}
     elif m.group("mode") == "auto":
         kwargs = {"sync_every": "auto"}
@@ -59,7 +65,8 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
     c = opt.config
     return dict(module=model, optimizer=opt, accounted_bytes=accounted,
                 compression_seconds=compression_seconds, plan=plan,
-                note=f"H={c.sync_every}, {c.fragments} fragment(s), delay {c.delay}")
+                note=f"H={c.sync_every}, {c.fragments} fragment(s), delay {c.delay}"
+                     + ("" if c.outer_optimizer else ", plain averaging"))
 
 
 def _postlocal(model, make_optimizer, world: int, period: int) -> dict:
