@@ -168,15 +168,21 @@ def test_two_hosts_of_two_ranks_share_a_namespace_and_its_shaped_link():
 
 @pytest.mark.netns
 @pytest.mark.multiproc
-def test_failing_rank_stops_the_group_and_network_is_removed():
+def test_failing_rank_stops_the_group_and_network_is_removed(tmp_path):
     net = _started(n_ranks=2, rate="1gbit")
+    # Rank 1 fails once rank 0 has printed (else the harness may stop rank 0 before it
+    # prints: seen on a loaded machine).
     rank0 = ("import os, time; e = os.environ; print(e['RANK'], e['MASTER_ADDR'], "
-             "e['GLOO_SOCKET_IFNAME'], e['CALLER'], e['PER_RANK']); time.sleep(60)")
-    rank1 = "import sys; print('bad input', file=sys.stderr); sys.exit(3)"
+             "e['GLOO_SOCKET_IFNAME'], e['CALLER'], e['PER_RANK'], flush=True); "
+             "open(e['PRINTED'], 'w').close(); time.sleep(60)")
+    rank1 = ("import os, sys, time; end = time.time() + 20\n"
+             "while not os.path.exists(os.environ['PRINTED']) and time.time() < end:\n"
+             "    time.sleep(0.05)\n"
+             "print('bad input', file=sys.stderr); sys.exit(3)")
     with net:
         result = net.launch([[sys.executable, "-c", rank0], [sys.executable, "-c", rank1]],
-                            env={"CALLER": "x"}, rank_env=[{"PER_RANK": "a"}, {"PER_RANK": "b"}],
-                            timeout=60)
+                            env={"CALLER": "x", "PRINTED": str(tmp_path / "rank0-printed")},
+                            rank_env=[{"PER_RANK": "a"}, {"PER_RANK": "b"}], timeout=60)
         assert result.returncodes[1] == 3 and result.failed_ranks == [1]
         assert result.ranks[0].killed and result.ranks[0].returncode < 0  # stopped by the harness
         assert result.elapsed_s < 30
