@@ -31,7 +31,7 @@ _NAME = re.compile(r"^(?:cgx-diloco-(?:h(?P<h>[1-9][0-9]*)|(?P<mode>auto|streami
                    r"|cgx-localsgd(?:-h(?P<lh>[1-9][0-9]*))?"
                    r"|torch-postlocal-sgd(?:-h(?P<ph>[1-9][0-9]*))?)$")
 STREAMING = {"sync_every": 50, "fragments": 5, "delay": 1}
-POSTLOCAL_PERIOD = 50
+AVERAGING_PERIOD = 50  # steps between averagings of both local SGD methods (no -h<N>)
 
 
 def handles(name: str) -> bool:
@@ -44,10 +44,10 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
     if m is None:
         raise ValueError(f"not a low-communication method: {name!r}")
     if name.startswith("torch-postlocal-sgd"):
-        return _postlocal(model, make_optimizer, world, int(m.group("ph") or POSTLOCAL_PERIOD))
+        return _postlocal(model, make_optimizer, world, int(m.group("ph") or AVERAGING_PERIOD))
     hvd = init_cgx(model)
     if name.startswith("cgx-localsgd"):
-        kwargs = {"sync_every": int(m.group("lh") or POSTLOCAL_PERIOD), "outer_optimizer": None}
+        kwargs = {"sync_every": int(m.group("lh") or AVERAGING_PERIOD), "outer_optimizer": None}
     elif m.group("h"):
         kwargs = {"sync_every": int(m.group("h"))}
     elif m.group("mode") == "auto":
