@@ -251,7 +251,11 @@ def test_horovod_reduces_bfloat16_in_float32_and_counts_that():
 def test_counted_bytes_are_what_each_ranks_link_carried(tmp_path, world):
     """benchmarks/allreduce.py on veth links (one network namespace per rank): per rank and
     allreduce, what was counted against the interface's own tx counter, which adds TCP/IP
-    headers (a few percent) and the timing's barrier."""
+    headers and the timing's barrier. The headers are up to 66 bytes a segment of at least
+    1,448 payload bytes (4.6%), and the rank also sends the ACKs for what it receives, up to
+    one 66-byte packet a segment (4.6% more): how many depends on the kernel's delayed-ACK
+    and segmentation offload under load, so the ratio varies from run to run (1.02-1.08 seen
+    for Gloo's fp32). A counting error of a ring step or of a rank's share is 33% or more."""
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -269,7 +273,7 @@ def test_counted_bytes_are_what_each_ranks_link_carried(tmp_path, world):
     rows = json.loads(Path(f"{out}.json").read_text())["rows"]
     assert sorted(r["method"] for r in rows) == sorted(methods.split(","))
     for r in rows:
-        assert 1.0 < r["link_mb"] / r["wire_mb"] < 1.05, (r["method"], r)
+        assert 1.0 < r["link_mb"] / r["wire_mb"] < 1.12, (r["method"], r)
 
 
 # -- the counter itself ----------------------------------------------------------------
