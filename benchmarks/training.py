@@ -104,9 +104,12 @@ def _timed(step, warmup: int, steps: int, counted=None) -> tuple[list[float], An
 # The deciding exchange in these runs: statistics over 2 steps, then one round of trials
 # (a warm-up step, then each plan: a settling step and 2 measured steps).
 DECIDE = dict(objective="time", window=2, trial_steps=2, trial_warmup_steps=1)
+# --trials: "short" (DECIDE) or "default", Compression.auto(objective="time")'s own
+# settings (statistics over 10 steps, 3 warm-up steps, 3 measured steps a plan).
+TRIALS = {"short": DECIDE, "default": dict(objective="time")}
 
 
-def _until_decided(step, decided, cap: int = 80) -> list[float]:
+def _until_decided(step, decided, cap: int = 120) -> list[float]:
     """Run steps until ``decided()``; each step's seconds (slowest rank), as ``_timed``."""
     times = []
     while not decided() and len(times) < cap:
@@ -137,7 +140,8 @@ def keras_vgg11(num_classes: int = 10):
     return keras.Sequential(layers)
 
 
-def keras_rank(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any]:
+def keras_rank(method: str, steps: int, warmup: int, batch: int,
+               trials: str = "short") -> dict[str, Any]:
     """The Keras path: ``model.train_on_batch`` (a compiled train step) without exchange
     (``keras-compute``) or with cgx's Keras ``DistributedOptimizer`` (4-bit)."""
     import torch
@@ -157,7 +161,7 @@ def keras_rank(method: str, steps: int, warmup: int, batch: int) -> dict[str, An
     opt = keras.optimizers.SGD(0.01, momentum=0.9)
     if method.startswith("keras-cgx"):
         hvd.init()
-        comp = hvd.Compression.auto(**DECIDE) if method == "keras-cgx-decide" else None
+        comp = hvd.Compression.auto(**TRIALS[trials]) if method == "keras-cgx-decide" else None
         opt = hvd.DistributedOptimizer(
             opt, sufficient_factors=model if method == "keras-cgx-sfb" else None,
             **({"compression": comp} if comp is not None else {}))
@@ -177,10 +181,25 @@ def keras_rank(method: str, steps: int, warmup: int, batch: int) -> dict[str, An
     return _deciding(out, opt, deciding) if deciding is not None else out
 
 
-def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any]:
-    """Train ``warmup + steps`` steps with ``method``; return this rank's timings."""
+def _cgx_compression(hvd, method: str, trials: str):
+    """A cgx method's ``compression=`` (None: the optimizer's default, fixed 4-bit).
+    Planned: each tensor exact or 4-bit as cgx.planner predicts is fastest, confirmed by
+    trials (traced 5 steps, then tried: timed once the trials kept a plan)."""
+    if method.startswith("cgx-planned"):
+        return hvd.Compression.planned()
+    if method.startswith("cgx-decide"):
+        return hvd.Compression.auto(**TRIALS[trials])
+    if method.endswith("-8bit"):
+        return hvd.Compression.quantize(bits=8)
+    return None
+
+
+def rank_main(method: str, steps: int, warmup: int, batch: int,
+              trials: str = "short") -> dict[str, Any]:
+    """Train ``warmup + steps`` steps with ``method``; return this rank's timings
+    (``trials``: the deciding methods' settings, a key of :data:`TRIALS`)."""
     if method.startswith("keras"):
-        return keras_rank(method, steps, warmup, batch)
+        return keras_rank(method, steps, warmup, batch, trials)
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -218,16 +237,12 @@ def rank_main(method: str, steps: int, warmup: int, batch: int) -> dict[str, Any
     if method.startswith(("cgx-optimizer", "cgx-planned", "cgx-decide")):
         import cgx.torch as hvd
         hvd.init()
-        # -sfb: the fully connected layers' weight gradients travel as sufficient factors;
-        # planned: each tensor exact or 4-bit as cgx.planner predicts is fastest, confirmed
-        # by trials (traced 5 steps, then tried: timed once the trials kept a plan)
-        extra = {"compression": hvd.Compression.planned()} if method.startswith("cgx-planned") \
-            else {"compression": hvd.Compression.auto(**DECIDE)} if method.startswith("cgx-decide") \
-            else {"compression": hvd.Compression.quantize(bits=8)} if method.endswith("-8bit") \
-            else {}
+        # -sfb: the fully connected layers' weight gradients travel as sufficient factors
+        comp = _cgx_compression(hvd, method, trials)
         opt = hvd.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(),
-            sufficient_factors=model if method.endswith("-sfb") else None, **extra)
+            sufficient_factors=model if method.endswith("-sfb") else None,
+            **({"compression": comp} if comp is not None else {}))
     def step():
         opt.zero_grad()
         torch.nn.functional.cross_entropy(opt_model(x), y).backward()
@@ -265,6 +280,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--rounds", type=int, default=1,
                    help="run every method this many times, in turn; report the median")
+    p.add_argument("--trials", choices=sorted(TRIALS), default="short",
+                   help="the deciding methods' settings: short (statistics over 2 steps, "
+                        "2 measured steps a plan) or default (Compression.auto's own)")
     p.add_argument("--out", default="benchmarks/results/training")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -287,7 +305,8 @@ def main(argv=None) -> int:
             with SlowNetwork(n_ranks=2, rate=rate) as net:
                 res = net.run_function("benchmarks.training:rank_main",
                                        {"method": method, "steps": args.steps,
-                                        "warmup": args.warmup, "batch": args.batch},
+                                        "warmup": args.warmup, "batch": args.batch,
+                                        "trials": args.trials},
                                        timeout=1800)[0]
         except NetnsUnavailable as exc:
             print(f"cannot build the simulated network: {exc}", file=sys.stderr)

@@ -24,3 +24,20 @@ def test_rounds_report_the_median_of_their_means_and_keep_every_step():
 def test_a_method_that_failed_every_round_reports_its_error():
     assert _merge([{"method": "m", "error": "a"}, {"method": "m", "error": "b"}]) == {
         "method": "m", "error": "b"}
+
+
+def test_trials_option_picks_the_deciding_methods_settings():
+    import types
+    from benchmarks.training import DECIDE, _cgx_compression
+    made = []
+    compression = types.SimpleNamespace(
+        auto=lambda **kw: made.append(("auto", kw)) or "auto",
+        planned=lambda **kw: made.append(("planned", kw)) or "planned",
+        quantize=lambda **kw: made.append(("quantize", kw)) or "quantize")
+    hvd = types.SimpleNamespace(Compression=compression)
+    assert _cgx_compression(hvd, "cgx-decide-sfb", "default") == "auto"
+    assert _cgx_compression(hvd, "cgx-decide", "short") == "auto"
+    assert _cgx_compression(hvd, "cgx-optimizer-8bit", "default") == "quantize"
+    assert _cgx_compression(hvd, "cgx-optimizer-sfb", "default") is None  # fixed 4-bit
+    assert made == [("auto", {"objective": "time"}), ("auto", DECIDE),
+                    ("quantize", {"bits": 8})]
