@@ -26,6 +26,8 @@ class TrialSettings:
         drift_tolerance: relative change of the kept plan's step that starts a new round.
         tie_tolerance: plans within this fraction of the fastest count as equally fast;
             the one with the smallest error is kept, then the one sending fewest bytes.
+            The margin widens to what the round's measured step spread resolves
+            (:func:`cgx.deciding.trials.resolution`), and so does ``runoff_margin``.
         runoffs: extra passes over the plans whose measured step is within
             ``runoff_margin`` of the fastest (when two or more are), in the reverse
             order of the pass before, each plan's times pooled: a few steps measure a

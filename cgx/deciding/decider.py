@@ -119,7 +119,8 @@ class TrialDecider:
         (``step``), the error ``budget``, the kept plan's label (``chosen``), the plans
         tried (``plans``: label, kind, bytes, error, predicted and measured step, steps
         timed, within the budget), their turns in order (``turns``: indices into
-        ``plans``, a runoff's included) and the runoff passes (``runoffs``)."""
+        ``plans``, a runoff's included), the runoff passes (``runoffs``) and the measured
+        steps' relative spread (``step_noise``, which widens the tie and runoff margins)."""
         return [dict(r) for r in self.trials.history]
 
     # -- state ---------------------------------------------------------------------------

@@ -14,13 +14,16 @@ Timeline (``K`` plans, ``s`` = settle_steps, ``m`` = steps per plan)::
                             between two steps, an evaluation or a checkpoint, lands in one
                             step's interval)
     runoffs                 when two or more plans measured within ``runoff_margin`` of
-                            the fastest, they take another turn each (the reverse order
+                            the fastest (or within what the clock resolves: the step
+                            spread measured in the round, RESOLUTION_Z), they take another
+                            turn each (the reverse order
                             of the pass before: a drift of the machine over the round
                             weighs on both ends alike), their times pooled with the
                             first; ``runoffs`` such passes at most
     after the last turn     every rank at its first reduction: the fastest plan's median
-                            within the error budget is kept (ties: less error, then fewer
-                            bytes; :func:`choose`); from this
+                            within the error budget is kept (ties, within
+                            ``tie_tolerance`` or the clock's resolution: less error, then
+                            fewer bytes; :func:`choose`); from this
                             step on it travels
     every ``recheck_every`` steps after: the kept plan's median since the last check is
                             agreed; off its trial time by more than ``drift_tolerance``,
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import statistics
 from typing import Optional, Sequence
 
@@ -58,6 +62,14 @@ LINK_CHANGE, LINK_FLOOR = 0.5, 0.2
 # evaluation every few steps, logging, a checkpoint), and a plan cut on that one step would
 # be judged on it alone. Two in a row are the plan's own.
 CUT, CUT_STEPS = 0.5, 2
+# Two plans' medians closer than RESOLUTION_Z standard errors of their difference are more
+# than the clock can tell apart here: the steps' spread is measured in the round (pooled
+# over its plans: the machine's noise is common to them), and the tie and runoff margins
+# widen to it. On 2 shared cores a step's time spreads by 5-15%; three steps a plan then
+# cannot tell 10% apart, and a compressed plan kept on such a difference costs accuracy
+# for nothing (the LM at fast links: a plan measured 16% faster on 3 steps, kept, ended
+# 0.5% above fp32's loss).
+RESOLUTION_Z = 1.0
 
 
 class Phase(enum.Enum):
@@ -98,10 +110,36 @@ class PlanRecord:
         return self.kind != "exact"
 
 
-def choose(records: Sequence[PlanRecord], tie_tolerance: float) -> int:
+def step_noise(samples: Sequence[Sequence[float]]) -> float:
+    """The relative standard deviation of one measured step, pooled over plans and robust
+    to a step that holds something else (an evaluation, a checkpoint): the median, over
+    every two consecutive steps of a plan, of their difference over the plan's median
+    step, divided by 0.9539 (sqrt(2) x 0.6745: that median for normal steps); 0 when no
+    plan has two steps."""
+    diffs = []
+    for t in samples:
+        if len(t) < 2:
+            continue
+        mid = statistics.median(t)
+        if mid > 0:
+            diffs += [abs(b - a) / mid for a, b in zip(t, t[1:])]
+    return statistics.median(diffs) / 0.9539 if diffs else 0.0
+
+
+def resolution(noise: float, n_a: int, n_b: int) -> float:
+    """The relative difference of two plans' medians (of ``n_a`` and ``n_b`` steps) that
+    the clock resolves at step spread ``noise``: ``RESOLUTION_Z`` standard errors of the
+    difference (a median's standard error is 1.2533 sigma / sqrt(n))."""
+    if noise <= 0 or n_a < 1 or n_b < 1:
+        return 0.0
+    return RESOLUTION_Z * 1.2533 * noise * math.sqrt(1.0 / n_a + 1.0 / n_b)
+
+
+def choose(records: Sequence[PlanRecord], tie_tolerance: float, noise: float = 0.0) -> int:
     """The index of the fastest measured plan within the budget; among plans within
-    ``tie_tolerance`` of it, the one with the smallest error, then the one sending fewest
-    bytes (then the first).
+    ``tie_tolerance`` of it (or within what the clock resolves at the round's step spread
+    ``noise``, :func:`resolution`, when wider), the one with the smallest error, then the
+    one sending fewest bytes (then the first).
 
     Error before bytes: when the clock cannot tell two plans apart, the one that loses
     less of the gradient reaches a given loss in as many steps or fewer, and the time to
@@ -112,8 +150,12 @@ def choose(records: Sequence[PlanRecord], tie_tolerance: float) -> int:
     if not pool:
         raise ValueError("no plan of the round is within the error budget and measured; the "
                          "exact plan always is: propose it")
-    best = min(records[k].measured_s for k in pool)
-    ties = [k for k in pool if records[k].measured_s <= best * (1 + tie_tolerance)]
+    fastest = min(pool, key=lambda k: records[k].measured_s)
+    best = records[fastest].measured_s
+
+    def margin(k: int) -> float:
+        return max(tie_tolerance, resolution(noise, records[fastest].samples, records[k].samples))
+    ties = [k for k in pool if records[k].measured_s <= best * (1 + margin(k))]
     return min(ties, key=lambda k: (records[k].error, records[k].bytes, k))
 
 
@@ -276,8 +318,10 @@ class Trials:
                    if t and self.records[k].eligible}
         if self.runoffs >= self.settings.runoffs or len(medians) < 2:
             return []
-        best = min(medians.values())
-        close = {k for k, m in medians.items() if m <= best * (1 + self.settings.runoff_margin)}
+        fastest = min(medians, key=medians.get)
+        noise, n = step_noise(self._times), len(self._times[fastest])
+        close = {k for k, m in medians.items() if m <= medians[fastest] * (1 + max(
+            self.settings.runoff_margin, resolution(noise, n, len(self._times[k]))))}
         if len(close) < 2:
             return []
         self.runoffs += 1
@@ -287,12 +331,14 @@ class Trials:
     def _decide(self, step: int) -> None:
         for r, t in zip(self.records, self._times):
             r.measured_s, r.samples = (statistics.median(t) if t else None), len(t)
-        self.chosen = choose(self.records, self.settings.tie_tolerance)
+        noise = step_noise(self._times)
+        self.chosen = choose(self.records, self.settings.tie_tolerance, noise)
         self.phase, self.decided_at = Phase.DECIDED, int(step)
         self.rounds += 1
         self._learn()
         self.history.append({"start": self.start, "step": int(step), "budget": self.budget,
                              "setup_s": self.setup_s, "runoffs": self.runoffs,
+                             "step_noise": noise,
                              "turns": list(self.order),
                              "chosen": self.records[self.chosen].label,
                              "plans": [dataclasses.asdict(r) for r in self.records]})

@@ -10,7 +10,8 @@ import torch
 
 from cgx.compression import Compression
 from cgx.compression.trials import TrialSettings
-from cgx.deciding.trials import Event, Phase, PlanRecord, Trials, choose, format_trials
+from cgx.deciding.trials import (Event, Phase, PlanRecord, Trials, choose, format_trials,
+                                 resolution, step_noise)
 
 ONE = types.SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))
 
@@ -55,6 +56,58 @@ def test_choose_takes_the_fastest_within_the_budget_and_breaks_ties_by_error_the
         rec.eligible = False
     with pytest.raises(ValueError, match="within the error budget"):
         choose(r, 0.0)
+
+
+def test_step_noise_pools_consecutive_differences_and_ignores_a_lone_outlier():
+    # differences over each plan's median: 0.2, 0.1 and 0.1, 0.1 (a one-step plan: none)
+    assert step_noise([[9.0, 11.0, 10.0], [20.0, 22.0, 20.0], [7.0]]) == pytest.approx(
+        0.1 / 0.9539)
+    assert step_noise([[5.0], []]) == 0.0
+    # one step that also held an evaluation moves two differences of six, not the median
+    assert step_noise([[1.0, 1.1, 1.0, 10.0, 1.0, 1.1, 1.0]]) == pytest.approx(0.1 / 0.9539)
+
+
+def test_resolution_shrinks_with_more_steps_and_less_spread():
+    assert resolution(0.0, 3, 3) == 0.0
+    r3 = resolution(0.1, 3, 3)
+    assert r3 == pytest.approx(1.2533 * 0.1 * (2 / 3) ** 0.5)
+    assert resolution(0.1, 6, 6) < r3 and resolution(0.05, 3, 3) == pytest.approx(r3 / 2)
+
+
+def test_a_difference_the_clock_cannot_resolve_is_a_tie_that_the_smaller_error_wins():
+    r = _records()[:2]  # exact (error 0), uniform (error 1.0)
+    r[0].measured_s, r[1].measured_s = 0.0110, 0.0100  # uniform measured 10% faster
+    for rec in r:
+        rec.samples = 3
+    assert choose(r, 0.02) == 1  # no spread measured: 10% is a real difference
+    assert choose(r, 0.02, noise=0.01) == 1  # steps within 1%: resolved
+    assert choose(r, 0.02, noise=0.15) == 0  # steps spread 15%: a tie, exact's error wins
+    r[0].measured_s = 0.0200  # twice as slow is resolved at that spread too
+    assert choose(r, 0.02, noise=0.15) == 1
+
+
+def test_noisy_steps_send_a_plan_further_behind_into_the_runoff():
+    # the model plan measures 15% behind uniform, each plan's steps spread about +-20%:
+    # outside runoff_margin 10%, inside the clock's resolution, so both run again
+    steps = {0: (0.040, 0.040, 0.040), 1: (0.016, 0.024, 0.020), 2: (0.018, 0.028, 0.023)}
+    t = Trials(TrialSettings(steps=3, settle_steps=0, warmup_steps=0, recheck_every=0,
+                             runoffs=1, runoff_margin=0.1))
+    t.begin(0, _records())
+    seen = {0: 0, 1: 0, 2: 0}
+
+    def clock(k):
+        i = seen[k] % 3
+        seen[k] += 1
+        return steps[k][i]
+    events, plans = _run(t, [clock] * 16, first=0)
+    assert plans[:15] == [0] * 3 + [1] * 3 + [2] * 3 + [2] * 3 + [1] * 3
+    assert t.history[-1]["step_noise"] > 0.1
+    # without the spread (every step its plan's median) the same medians get no runoff
+    flat = Trials(TrialSettings(steps=3, settle_steps=0, warmup_steps=0, recheck_every=0,
+                                runoffs=1, runoff_margin=0.1))
+    flat.begin(0, _records())
+    _, plans = _run(flat, [lambda k: (0.040, 0.020, 0.023)[k]] * 10, first=0)
+    assert plans[:10] == [0] * 3 + [1] * 3 + [2] * 3 + [1] and flat.runoffs == 0
 
 
 def test_a_round_runs_each_plan_in_turn_measures_after_settling_and_keeps_the_fastest():
