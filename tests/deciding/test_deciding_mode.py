@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cgx.deciding.trials import resolution
 from spawn import run_gloo
 
 WINDOW, TRIAL_STEPS = 3, 1
@@ -71,10 +72,15 @@ def test_every_rank_agrees_on_the_trials_and_keeps_the_same_plan(world):
         assert other["rounds"] == first["rounds"]
         assert other["levels"] == first["levels"]
         assert all(torch.equal(a, b) for a, b in zip(first["params"], other["params"]))
-    # the kept plan is the fastest measured within the budget, or ties it (2%) with fewer bytes
+    # the kept plan is the fastest measured within the budget, or ties it (2%, or wider as
+    # the round's steps spread: what the clock cannot resolve) with a smaller error or,
+    # at equal error, fewer bytes
     kept = next(p for p in r["plans"] if p["label"] == r["chosen"])
-    fastest = min(p["measured_s"] for p in r["plans"] if p["eligible"])
-    assert kept["eligible"] and kept["measured_s"] <= fastest * 1.02
+    fastest = min((p for p in r["plans"] if p["eligible"]), key=lambda p: p["measured_s"])
+    margin = max(0.02, resolution(r["step_noise"], fastest["samples"], kept["samples"]))
+    assert kept["eligible"] and kept["measured_s"] <= fastest["measured_s"] * (1 + margin)
+    assert kept is fastest or (kept["error"], kept["bytes"]) < (fastest["error"],
+                                                               fastest["bytes"])
 
 
 @pytest.mark.multiproc
