@@ -242,7 +242,7 @@ def _lm_compression(hvd, method: str):
     if method == "fp32":
         return hvd.Compression.exact
     if method.startswith("auto"):  # error feedback: by the optimizer, unless forced
-        ef = True if method.endswith("forced on") else False if method.endswith("off") else None
+        ef = True if method.endswith(" on") else False if method.endswith(" off") else None
         return hvd.Compression.auto(alpha=1.0, window=10, adjust_every=100, error_feedback=ef)
     bits = int(method[0])
     return hvd.Compression.quantize(bits=bits, bucket_size=1024,
@@ -285,8 +285,18 @@ def _lm_rank(rank, world, port, method, optimizer, steps, seed, out):
             json.dump({"bytes_per_step": wire, "val_loss": val, "steps": steps,
                        "error_feedback": bool(opt._plan.error_feedback),
                        "compensation": opt._plan.residuals.compensation.value,
+                       "measured": _measured(opt.compression_plan()),
                        "plan": format_levels(opt.compression_plan())}, f)
     dist.destroy_process_group()
+
+
+def _measured(rows: list) -> dict:
+    """How many quantized layers of the last plan took each measured compensation."""
+    out: dict = {}
+    for r in rows:
+        if r.get("compensation"):
+            out[r["compensation"]] = out.get(r["compensation"], 0) + 1
+    return out
 
 
 def bench_lm(steps: int) -> dict:
@@ -304,30 +314,35 @@ def bench_lm(steps: int) -> dict:
 COMPENSATION_METHODS = ("fp32", "2-bit", "2-bit + EF classic", "2-bit + EF")
 
 
-def bench_compensation(steps: int, seeds: int, methods=COMPENSATION_METHODS) -> dict:
-    """AdamW on the LM: each of ``methods`` with seeds 0..seeds-1."""
+def bench_compensation(steps: int, seeds: int, methods=COMPENSATION_METHODS,
+                       optimizer: str = "AdamW") -> dict:
+    """``optimizer`` on the LM: each of ``methods`` with seeds 0..seeds-1."""
     out = {}
     for seed in range(seeds):
         for method in methods:
             t0 = time.perf_counter()
-            out[f"{method} (seed {seed})"] = r = _spawn(_lm_rank, method, "AdamW", steps, seed)
+            out[f"{method} (seed {seed})"] = r = _spawn(_lm_rank, method, optimizer, steps, seed)
             r.pop("plan")
-            print(f"  LM AdamW {method:20s} seed {seed} val {r['val_loss']:.4f}  "
+            print(f"  LM {optimizer} {method:20s} seed {seed} val {r['val_loss']:.4f}  "
                   f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     return out
 
 
-def compensation_table(runs: dict, seeds: int, methods=COMPENSATION_METHODS) -> list:
+def compensation_table(runs: dict, seeds: int, methods=COMPENSATION_METHODS,
+                       optimizer: str = "AdamW") -> list:
     """One row per method: validation loss per seed, mean, and the mean's gap to the
-    first method's (fp32 by default)."""
+    first method's (fp32 by default); the compensation: the exchange's, or with auto the
+    measured one per layer (layers of the last plan, seed 0)."""
     loss = {m: [runs[f"{m} (seed {s})"]["val_loss"] for s in range(seeds)] for m in methods}
     fp32 = statistics.mean(loss[methods[0]])
-    lines = ["| exchange (AdamW) | compensation | " + " | ".join(
+    lines = [f"| exchange ({optimizer}) | compensation | " + " | ".join(
         f"val loss seed {s}" for s in range(seeds)) + f" | mean | vs {methods[0]} |",
         "|---|---|" + "---:|" * (seeds + 2)]
     for m in methods:
         mean = statistics.mean(loss[m])
-        comp = runs[f"{m} (seed 0)"]["compensation"]
+        first = runs[f"{m} (seed 0)"]
+        comp = ", ".join(f"{k} x{v}" for k, v in sorted(first.get("measured", {}).items())) \
+            or first["compensation"]
         lines.append(f"| {m} | {comp} | " + " | ".join(f"{v:.4f}" for v in loss[m]) +
                      f" | {mean:.4f} | {100 * (mean / fp32 - 1):+.1f}% |")
     return lines
@@ -360,15 +375,21 @@ def main(argv=None) -> int:
                    help="the LM's error compensation under AdamW, nothing else")
     p.add_argument("--lm-seeds", type=int, default=1, help="seeds per method (--compensation)")
     p.add_argument("--methods", default=",".join(COMPENSATION_METHODS),
-                   help="--compensation: comma-separated methods, the first the reference")
+                   help="--compensation: comma-separated methods, the first the reference "
+                   "('auto', 'auto EF on', 'auto EF off': Compression.auto and its "
+                   "error_feedback None, True, False)")
+    p.add_argument("--optimizer", default="AdamW", choices=("AdamW", "SGD"),
+                   help="--compensation: the LM's optimizer")
     args = p.parse_args(argv)
     if args.compensation:
         methods = tuple(m.strip() for m in args.methods.split(","))
-        runs = bench_compensation(args.lm_steps, args.lm_seeds, methods)
-        lines = [f"Transformer LM (benchmarks/timetoacc), 2 ranks, {args.lm_steps} AdamW steps, "
+        runs = bench_compensation(args.lm_steps, args.lm_seeds, methods, args.optimizer)
+        lines = [f"Transformer LM (benchmarks/timetoacc), 2 ranks, {args.lm_steps} "
+                 f"{args.optimizer} steps, "
                  "cosine learning rate, quantized with bucket 1024 (stochastic rounding unless "
                  "named nearest):", ""]
-        return _write(args, lines + compensation_table(runs, args.lm_seeds, methods),
+        return _write(args, lines + compensation_table(runs, args.lm_seeds, methods,
+                                                       args.optimizer),
                       {"compensation": runs}, "2 cores, no GPU, 2 ranks on one machine")
     if args.measure_only:
         rows = bench_measure()

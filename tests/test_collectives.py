@@ -298,6 +298,41 @@ def test_error_feedback_telescopes():
     assert err_plain > 5 * err_ef, (err_plain, err_ef)
 
 
+def _mixed_residuals_worker(rank, world, steps):
+    from cgx.comm.torch_dist import TorchTransport
+    from cgx.collectives import Reducer
+
+    red = Reducer(TorchTransport(), Config())
+    spec = QuantSpec(2, 64, NEAREST)
+    g = torch.Generator().manual_seed(11 + rank)
+    grads = [torch.randn(3001, generator=g), torch.randn(1000, generator=g)]
+    residual = torch.zeros(3001)
+    total = torch.zeros(3001, dtype=torch.float64)
+    same = True
+    for step in range(steps):
+        xs = [t.clone() for t in grads]
+        red.allreduce(xs, [spec, spec], residuals=[residual, None], step=step)
+        plain = [t.clone() for t in grads]
+        red.allreduce(plain, [spec, spec], step=step)
+        same = same and torch.equal(xs[1], plain[1])
+        total += xs[0].double()
+    return total, grads[0], same
+
+
+@pytest.mark.multiproc
+def test_a_compressed_tensor_without_a_residual_beside_one_with():
+    """A None residual for a compressed tensor (its compensation is none): that tensor is
+    reduced as without error feedback, while its neighbour's residual telescopes."""
+    steps = 12
+    outs = run_gloo(_mixed_residuals_worker, 2, steps)
+    exact = (outs[0][1].double() + outs[1][1].double()) / 2 * steps
+    assert all(o[2] for o in outs)
+    assert torch.equal(outs[0][0], outs[1][0])
+    levels = 3
+    one_step = max((g[1].max() - g[1].min()).item() for g in outs) / levels
+    assert (outs[0][0] - exact).abs().max().item() <= one_step
+
+
 def _residual_worker(rank, world, hierarchy):
     from cgx.comm.torch_dist import TorchTransport
     from cgx.collectives import Reducer

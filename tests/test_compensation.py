@@ -207,3 +207,37 @@ def test_adamw_ranks_use_the_moving_average_and_agree():
         # started from zero six steps ago: at most (1 - beta^6) of such a step
         beta = MovingAverage().beta
         assert 0 < max(ratios) <= (1 - beta ** 6) * 2 / 3
+
+
+def test_per_tensor_kinds_change_what_is_kept_and_owed():
+    """Auto's measured choice per tensor (cgx.adaptive.probe): a tensor whose compensation
+    is none gets no buffer; leaving classic feedback owes its residual (added once to the
+    next gradient, in gradient units); leaving the moving average drops it."""
+    spec = QuantSpec(bits=2, bucket_size=BUCKET)
+    store = ResidualStore(2.0, Compensation.ERROR_FEEDBACK)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        ws = [torch.randn(500, generator=g) for _ in range(3)]
+        bufs = store.buffers(ws, ["a", "b", "c"], [spec] * 3)
+        _fake_reduce([w / 2.0 for w in ws], [spec] * 3, bufs)
+        store.settle(["a", "b", "c"], bufs)
+    classic = store.residuals["a"].clone()
+    store.set_kinds({"a": Compensation.NONE, "b": Compensation.MOVING_AVERAGE})
+    assert store.keeps_any()
+    assert "a" not in store.residuals and torch.equal(store.owed["a"], classic * 2.0)
+    assert "b" in store.owed and "b" not in store.residuals  # b's average starts at zero
+    w = [torch.randn(500, generator=g) for _ in range(3)]
+    bufs = store.buffers(w, ["a", "b", "c"], [spec] * 3)
+    assert bufs[0] is None and bufs[1] is not None and bufs[2] is store.residuals["c"]
+    _fake_reduce([x / 2.0 for x in w], [spec] * 3, bufs)
+    store.settle(["a", "b", "c"], bufs)
+    assert bool(store.residuals["b"].abs().sum() > 0)
+    owed_b = store.owed["b"].clone()
+    store.set_kinds({"b": Compensation.NONE, "c": Compensation.NONE})
+    assert "b" not in store.residuals and torch.equal(store.owed["b"], owed_b)  # not owed
+    assert store.buffers(w, ["a", "b", "c"], [spec] * 3) == [None] * 3
+    restored = ResidualStore(2.0, Compensation.ERROR_FEEDBACK)
+    restored.load_state_dict(store.state_dict(with_owed=True))
+    restored.set_kinds(store.compensator.kinds, restored=True)  # a checkpoint: nothing moves
+    assert torch.equal(restored.owed["a"], store.owed["a"])
+    assert restored.compensator.kinds == store.compensator.kinds

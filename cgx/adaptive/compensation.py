@@ -20,10 +20,13 @@ the errors and only a small share of their step-to-step noise; on that LM at
 it, and at 4 bits 0.2% below (docs/results/adaptive.md). ``CGX_COMPENSATION=classic`` (or ``moving_average``)
 sets one for every optimizer.
 
-``Compression.auto(error_feedback=None)`` (the default) keeps residuals under
-linear optimizers and not under adaptive ones; an optimizer it does not know
-leaves ``CGX_COMPRESSION_ERROR_FEEDBACK`` in charge. The rule is the same for
-every family: top-k and PowerSGD are biased without residuals, but under Adam
+``Compression.auto(error_feedback=None)`` (the default) starts from that rule, residuals
+under linear optimizers and none under adaptive ones (an optimizer it does not know
+leaves ``CGX_COMPRESSION_ERROR_FEEDBACK`` in charge), and then measures, per quantized
+layer, which of none, classic feedback and the moving average keeps the optimizer's
+path closest (:mod:`cgx.adaptive.probe`); each plan applies what the window before it
+measured. ``error_feedback=True`` measures between the two forms that keep a residual.
+For top-k and PowerSGD the rule stays the same for every family: top-k and PowerSGD are biased without residuals, but under Adam
 their residuals' bursts are what hurt (their residuals are classic: the moving
 average is the fused quantized exchange's), and each candidate's error is
 measured on what it sends without them (:mod:`cgx.adaptive.stats`), so the plan
@@ -35,6 +38,8 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
+import torch
+
 from cgx.config import CompensationChoice
 
 
@@ -45,6 +50,32 @@ class Compensation(enum.Enum):
     NONE = "none"  # dropped for good (stochastic rounding keeps each step unbiased)
     ERROR_FEEDBACK = "error_feedback"  # all of it added to the next step's values (classic)
     MOVING_AVERAGE = "moving_average"  # its moving average added, clipped to the bucket's range
+
+
+def bucket_clamp(e: torch.Tensor, x: torch.Tensor, bucket: int) -> torch.Tensor:
+    """``e`` clipped per value so that ``x + e`` stays within the ``[min, max]`` of
+    ``x``'s bucket (consecutive runs of ``bucket`` values, the last one shorter); a new
+    contiguous float32 tensor.
+
+    Hidden cost: about five passes over the tensor (the bounds, two differences, the clamp).
+    """
+    n = x.numel()
+    full = n - n % bucket
+    out = torch.empty_like(e)
+    if full:
+        xm, em = x[:full].view(-1, bucket), e[:full].view(-1, bucket)
+        lo, hi = xm.amin(1, keepdim=True), xm.amax(1, keepdim=True)
+        torch.minimum(torch.maximum(em, lo - xm), hi - xm, out=out[:full].view(-1, bucket))
+    if full < n:
+        xt, et = x[full:], e[full:]
+        out[full:] = torch.minimum(torch.maximum(et, xt.min() - xt), xt.max() - xt)
+    return out
+
+
+def average_in(e: torch.Tensor, q: torch.Tensor, beta: float) -> torch.Tensor:
+    """The moving average's update ``e = beta e + (1 - beta) q``, in place in ``e``
+    (``q`` itself when ``beta`` is 0)."""
+    return e.mul_(beta).add_(q, alpha=1.0 - beta) if beta else q
 
 
 class UpdateRule(enum.Enum):

@@ -24,12 +24,14 @@ from typing import Optional, Sequence
 import torch
 
 from cgx.adaptive.candidates import Candidate, Family, candidates_for, traffic_factor
+from cgx.adaptive.compensation import Compensation, UpdateRule
 from cgx.adaptive.solver import solve
-from cgx.adaptive import stats
+from cgx.adaptive import probe, stats
 from cgx.compression.auto import AutoCompression
 from cgx.config import Config, Rounding
 
 STATE_FORMAT = 2  # 1: the window's summed gradients instead of its measurements
+PROBE_SEED = 0x9E0B  # stochastic rounding noise of the compensation probe
 EXACT = Candidate(Family.EXACT)
 
 
@@ -44,16 +46,24 @@ class AdaptiveSchedule:
         config: defaults (the uniform default level, rounding).
         error_feedback: whether the exchange keeps residuals (it decides which families
             are offered: :func:`offered_families`).
+        compensations: the :class:`Compensation` options of a quantized layer
+            (:func:`cgx.adaptive.probe.options_for`); with two or more, each layer's is
+            measured during the window (:mod:`cgx.adaptive.probe`) and decided at each plan.
+        update_rule: the optimizer's, for the probe's shadow update.
+        beta: the moving average's weight (the probe runs it as the exchange does).
 
     Attributes:
         plan: the current :class:`Candidate` per gradient (None: not planned, exact).
         plans_made: how many plans so far.
         table: rows of the current plan (see :meth:`rows`).
+        compensation: per layer name, the :class:`Compensation` the last plan chose
+            (layers not measured are absent: the exchange's own applies).
     """
 
     def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]],
                  eligible: Sequence[bool], settings: AutoCompression, config: Config,
-                 error_feedback: bool = True):
+                 error_feedback: bool = True, compensations: Sequence[Compensation] = (),
+                 update_rule: UpdateRule = UpdateRule.UNKNOWN, beta: float = 0.95):
         self.names = list(names)
         self.shapes = [tuple(s) for s in shapes]
         self.settings = settings
@@ -101,6 +111,10 @@ class AdaptiveSchedule:
         # that measures each layer at a window's first sampled step
         self.share = (0, 1)
         self._first_measurer: dict[int, list] = {}
+        self.compensation_options = tuple(compensations)
+        self.update_rule, self.beta = update_rule, float(beta)
+        self.compensation: dict[str, Compensation] = {}
+        self._probes: dict[int, probe.LayerProbe] = {}  # this rank's, in the window
 
     # -- what travels now ------------------------------------------------------------
 
@@ -147,23 +161,44 @@ class AdaptiveSchedule:
         layer does.)"""
         self.share = (int(rank), int(world))
 
+    def _deal(self, world: int) -> list:
+        """Per layer, the rank that measures it at a window's first sampled step."""
+        if world not in self._first_measurer:  # the work: a large layer's sample at most
+            work = [0 if c is None else min(math.prod(s), stats.SAMPLE_VALUES)
+                    for s, c in zip(self.shapes, self.candidates)]
+            self._first_measurer[world] = stats.measuring_ranks(work, world)
+        return self._first_measurer[world]
+
     def _measures(self, step: int, i: int) -> bool:
         """Whether this rank measures layer ``i`` at ``step`` (a sampled step)."""
         rank, world = self.share
         if world <= 1:
             return True
-        if world not in self._first_measurer:  # the work: a large layer's sample at most
-            work = [0 if c is None else min(math.prod(s), stats.SAMPLE_VALUES)
-                    for s, c in zip(self.shapes, self.candidates)]
-            self._first_measurer[world] = stats.measuring_ranks(work, world)
-        return (self._first_measurer[world][i] + self._turn(step)) % world == rank
+        return (self._deal(world)[i] + self._turn(step)) % world == rank
+
+    def _probes_layer(self, i: int) -> bool:
+        """Whether this rank follows layer ``i``'s compensation probe through the window
+        (the rank that measures it first; every window step)."""
+        if len(self.compensation_options) < 2 or self.candidates[i] is None or \
+                self._probe_spec(i) is None:
+            return False
+        rank, world = self.share
+        return world <= 1 or self._deal(world)[i] == rank
+
+    def _probe_spec(self, i: int):
+        """The level the probe quantizes layer ``i`` at: its plan's, else the default's
+        (None: neither quantizes)."""
+        for c in (self.plan[i], self.default):
+            if c is not None and c.family is Family.QUANTIZE:
+                return c.spec(self.rounding)
+        return None
 
     def wants(self, step: int, i: int) -> bool:
         """Whether :meth:`observe` at ``step`` reads gradient ``i`` (a caller that must copy
         the gradient for it copies only then)."""
         return (self.observing(step) and self.candidates[i] is not None
                 and ((self._sampled(step) and self._measures(step, i))
-                     or bool(self._ranks(i))))
+                     or bool(self._ranks(i)) or self._probes_layer(i)))
 
     def observe(self, step: int, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
         """Measure this step's gradients (without residuals), when the step is one of the
@@ -172,7 +207,9 @@ class AdaptiveSchedule:
         Hidden cost: at every window step, one PowerSGD power iteration per layer that may
         pick PowerSGD (and its check for an all-zero gradient, a host sync); at the
         sampled steps, that check for every layer, one quantize pass per quantization
-        candidate and one top-k, on at most ``stats.SAMPLE_VALUES`` values of each layer.
+        candidate and one top-k, on at most ``stats.SAMPLE_VALUES`` values of each layer;
+        at every window step, the compensation probe of this rank's layers
+        (:mod:`cgx.adaptive.probe`).
         """
         if not self.observing(step):
             return
@@ -182,7 +219,10 @@ class AdaptiveSchedule:
                 continue  # nothing to measure, or no gradient: nothing to learn
             cands, ranks = self.candidates[i], self._ranks(i)
             name, g = self.names[i], g.detach().reshape(-1).to(torch.float32)
-            measure = sampled and self._measures(step, i) and bool(torch.isfinite(g).all())
+            finite = bool(torch.isfinite(g).all())
+            if finite and self._probes_layer(i):
+                self._probe(step, i, g)
+            measure = sampled and self._measures(step, i) and finite
             low = self.scorer.step(name, g, self.shapes[i], ranks, measure) if ranks else None
             if not measure:  # (not finite: a loss-scaling overflow's step is not measured)
                 continue
@@ -191,6 +231,28 @@ class AdaptiveSchedule:
             old = self._sums.get(name)
             self._sums[name] = errs if old is None else [a + b for a, b in zip(old, errs)]
             self._counts[name] = self._counts.get(name, 0) + 1
+
+    def _probe(self, step: int, i: int, g: torch.Tensor) -> None:
+        p = self._probes.get(i)
+        if p is None:
+            p = self._probes[i] = probe.LayerProbe(g.numel(), self._probe_spec(i),
+                                                   self.update_rule, self.beta)
+        p.step(g, stats.step_key(step, self.names[i]) ^ PROBE_SEED)
+
+    def _decide_compensation(self, planned: list, transport) -> None:
+        """Each probed layer's compensation from the window's probes of every rank (one
+        allreduce; a collective when there are options to choose from)."""
+        if len(self.compensation_options) < 2:
+            return
+        width = 1 + 2 * len(probe.VARIANTS)
+        sums = [self._probes[i].sums_now() if i in self._probes else [0.0] * width
+                for i in planned]
+        rows = stats.combine(sums, [int(i in self._probes) for i in planned], transport)
+        for i, row in zip(planned, rows):
+            measured = probe.measures(row) if row is not None else None
+            if measured is not None:
+                self.compensation[self.names[i]] = probe.choose(measured,
+                                                                self.compensation_options)
 
     def due(self, step: int) -> bool:
         return step >= self.next_plan
@@ -205,7 +267,8 @@ class AdaptiveSchedule:
         """The plan alone, JSON-able (layer -> [family, bits, bucket]), with its schedule:
         what a Keras checkpoint stores (the statistics are not kept)."""
         return {"next_plan": self.next_plan, "plans_made": self.plans_made,
-                "plan": {n: c.as_list() for n, c in zip(self.names, self.plan) if c is not None}}
+                "plan": {n: c.as_list() for n, c in zip(self.names, self.plan) if c is not None},
+                "compensation": {n: v.value for n, v in self.compensation.items()}}
 
     def load_plan_summary(self, summary: dict) -> None:
         """Restore :meth:`plan_summary` (by layer name; unknown layers keep the default).
@@ -223,6 +286,10 @@ class AdaptiveSchedule:
                 cand = Candidate.from_list(c)
                 if cand in self.candidates[i]:
                     self.plan[i] = cand
+            kept = summary.get("compensation", {})
+            v = kept.get(n, next((v for k, v in kept.items() if _same_layer(k, n)), None))
+            if v is not None:
+                self.compensation[n] = Compensation(v)
 
     def replan(self, step: int, transport, threads: int = 1, verbose: bool = False,
                hidden: Sequence[int] = ()) -> bool:
@@ -251,6 +318,7 @@ class AdaptiveSchedule:
                 self.plan[i] = Candidate(Family.EXACT)
         if measured:
             self._solve([i for i, _ in measured], [e for _, e in measured], transport.size)
+        self._decide_compensation(planned, transport)
         self.plans_made += 1
         self._clear_window()
         self.next_plan = step + self.settings.adjust_every
@@ -343,6 +411,7 @@ class AdaptiveSchedule:
         """Forget the window's measurements (the warm start of the PowerSGD scorer stays)."""
         self._sums.clear()
         self._counts.clear()
+        self._probes.clear()
 
     # -- visibility --------------------------------------------------------------------
 
@@ -356,7 +425,9 @@ class AdaptiveSchedule:
                    "level": "exact (not planned)" if c is None else
                    "exact (planner: no time saved)" if n in self.hidden else c.label,
                    "bytes": 4 * numel if c is None else c.wire_bytes(s),
-                   "error": 0.0, "share": 0.0}
+                   "error": 0.0, "share": 0.0,
+                   "compensation": self.compensation[n].value if n in self.compensation and
+                   c is not None and c.family is Family.QUANTIZE else ""}
             if c is not None and self._errors is not None and i in self._errors:
                 errs, _ = self._errors[i]
                 row["error"] = errs[self._position[i][c]]
@@ -374,7 +445,8 @@ class AdaptiveSchedule:
                 "errors": None if self._errors is None else
                 {self.names[i]: v for i, v in self._errors.items()},
                 "sums": {k: list(v) for k, v in self._sums.items()},
-                "counts": dict(self._counts), "scorer": self.scorer.state_dict()}
+                "counts": dict(self._counts), "scorer": self.scorer.state_dict(),
+                "compensation": {n: v.value for n, v in self.compensation.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("format") not in (1, STATE_FORMAT):
@@ -397,6 +469,8 @@ class AdaptiveSchedule:
         self._counts = {k: int(v) for k, v in state.get("counts", {}).items() if k in index}
         if "scorer" in state:
             self.scorer.load_state_dict(state["scorer"])
+        self.compensation = {n: Compensation(v) for n, v in
+                             state.get("compensation", {}).items() if n in index}
 
 
 def offered_families(families: Sequence[str], error_feedback: bool) -> list:
@@ -445,14 +519,17 @@ def matches(summary: dict, names: Sequence[str]) -> bool:
 
 def format_levels(rows: list[dict]) -> str:
     """A markdown table of :meth:`AdaptiveSchedule.rows`."""
-    lines = ["| layer | shape | family | level | bytes | error | share of budget |",
-             "|---|---|---|---|---:|---:|---:|"]
+    comp = any(r.get("compensation") for r in rows)  # measured per layer: one more column
+    lines = ["| layer | shape | family | level | bytes | error | share of budget |"
+             + (" compensation |" if comp else ""),
+             "|---|---|---|---|---:|---:|---:|" + ("---|" if comp else "")]
     for r in rows:
         shape = "x".join(map(str, r["shape"])) or "scalar"
         lines.append(f"| {r['layer']} | {shape} | {r['family']} | {r['level']} | "
-                     f"{r['bytes']:,} | {r['error']:.4g} | {100 * r['share']:.1f}% |")
+                     f"{r['bytes']:,} | {r['error']:.4g} | {100 * r['share']:.1f}% |"
+                     + (f" {r.get('compensation') or '-'} |" if comp else ""))
     total = sum(r["bytes"] for r in rows)
-    lines.append(f"| **total** | | | | **{total:,}** | | |")
+    lines.append(f"| **total** | | | | **{total:,}** | | |" + (" |" if comp else ""))
     return "\n".join(lines)
 
 

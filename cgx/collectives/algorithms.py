@@ -118,12 +118,13 @@ class ReduceContext:
             x = self.values(p)
             out = buf[base + p.byte_offset: base + p.byte_offset + p.nbytes]
             encode = self._codec(p)[0]
-            if self.residuals is None:
+            held = self.residuals[p.segment] if self.residuals is not None else None
+            if held is None:
                 encode(x, p.spec, out=out, key=key, index_offset=p.index,
                        write_back=write_back, backend=self.backend, threads=self.threads,
                        rotation_key=self.rotation_key)
                 continue
-            e = self.residuals[p.segment][p.offset: p.offset + p.numel]
+            e = held[p.offset: p.offset + p.numel]
             if unit == 1.0:
                 e.add_(x)  # e = v = x + old residual (3 extra passes: only with error feedback)
                 x.copy_(e)

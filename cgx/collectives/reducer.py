@@ -240,7 +240,7 @@ class Reducer:
             algorithm: SRA, RING or ALLGATHER (default: ``config.inner_reduction``).
             name: label for the timeline and the stochastic-rounding key.
             residuals: error feedback: one float32 tensor (same numel) per
-                compressed tensor, None for the others; kept by the caller
+                compressed tensor that keeps one, None for the others; kept by the caller
                 across steps, with the same tensors in the same order (SRA and
                 ALLGATHER only; see ``algorithms.ReduceContext``).
             step: step number for the stochastic-rounding key (default: this
@@ -350,6 +350,8 @@ class Reducer:
         # Error feedback keeps what one quantization dropped, which a two-level reduction
         # (several quantizations) cannot hand back: unless asked for (CGX_HIERARCHICAL=on),
         # a call with residuals reduces flat.
+        if residuals is not None and all(r is None for r in residuals):
+            residuals = None  # no tensor keeps one (each one's compensation is none)
         hierarchical = self.hierarchical and (residuals is None or
                                               self.config.hierarchical is Hierarchy.ON)
         res = _check_residuals(residuals, tensors, comp, algorithm, hierarchical)
@@ -446,7 +448,7 @@ def _check_residuals(residuals, tensors, comp, algorithm, hierarchical: bool):
     residuals = list(residuals)
     if len(residuals) != len(tensors):
         raise ValueError(f"got {len(residuals)} residuals for {len(tensors)} tensors; pass "
-                         "one float32 tensor (or None for uncompressed ones) per tensor")
+                         "one float32 tensor (or None: no residual) per tensor")
     if algorithm is ReductionType.RING or hierarchical:
         raise ValueError("error feedback inside the collective works with the SRA and "
                          "ALLGATHER algorithms, not with RING or hierarchical reduction: set "
@@ -455,6 +457,9 @@ def _check_residuals(residuals, tensors, comp, algorithm, hierarchical: bool):
     out = []
     for i in comp:
         e = residuals[i]
+        if e is None:  # this tensor keeps no residual (its compensation is none)
+            out.append(None)
+            continue
         if not isinstance(e, torch.Tensor) or e.dtype != torch.float32 or \
                 e.numel() != tensors[i].numel() or not e.is_contiguous() or \
                 e.device != tensors[i].device:

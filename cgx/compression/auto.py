@@ -118,7 +118,11 @@ class AutoCompression(Policy):
         error_feedback: keep residuals, in every family (None: by the optimizer's update
             rule, on under SGD, off under Adam-type optimizers; for an optimizer cgx
             does not know, ``CGX_COMPRESSION_ERROR_FEEDBACK``; see
-            :mod:`cgx.adaptive.compensation`. With ``objective="time"``, None means
+            :mod:`cgx.adaptive.compensation`). A quantized layer's compensation is then
+            measured per layer (:mod:`cgx.adaptive.probe`): with None, between none,
+            classic feedback and a moving average; with True, between the last two
+            (``CGX_COMPENSATION=classic`` or ``moving_average`` fixes the form). With
+            ``objective="time"``, None means
             ``CGX_COMPRESSION_ERROR_FEEDBACK``, as for the fixed default: residuals cost
             every plan step time (on 2 CPU cores, a quarter of VGG-11's 4-bit step)).
     """

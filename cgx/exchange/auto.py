@@ -21,18 +21,25 @@ from typing import Optional
 import torch
 
 from cgx.adaptive import AdaptiveSchedule
+from cgx.adaptive import probe
 from cgx.adaptive.candidates import CASTS, Family
+from cgx.adaptive.compensation import Compensation
 from cgx.comm.base import ReduceOp
 from cgx.compression import ErrorFeedback
 from cgx.compression.auto import Objective
 from cgx.compression.planned import PlannedCompression
 from cgx.deciding import Decider
 from cgx.exchange.modes import Call, GradMode, Mode, Settings, reduce_family, reduce_fused
+from cgx.config import CompensationChoice
 from cgx.quant.codec import QuantSpec
 
 
 # The families reduced apart from the fused quantized/exact call, in this order.
 SEPARATE = (Family.TOPK, Family.POWERSGD, *CASTS)
+# The compensation CGX_COMPENSATION names (None: measured between the forms).
+FIXED_FORMS = {CompensationChoice.AUTO: None,
+               CompensationChoice.CLASSIC: Compensation.ERROR_FEEDBACK,
+               CompensationChoice.MOVING_AVERAGE: Compensation.MOVING_AVERAGE}
 
 
 class FusedCast:
@@ -97,6 +104,16 @@ def _planner_for(adaptive: AdaptiveSchedule, comp, names, shapes, base):
         base.inner_reduction, base.fusion_buffer_mb)
 
 
+def _compensations(compression, base, deciding: bool) -> tuple:
+    """The compensations auto measures between per quantized layer
+    (:func:`cgx.adaptive.probe.options_for`). The deciding exchange left to its default
+    (``error_feedback=None``) measures none: it keeps the fixed default's residual setting,
+    since residuals cost every plan step time and the probe weighs accuracy alone."""
+    if deciding and compression.error_feedback is None:
+        return ()
+    return probe.options_for(compression.error_feedback, FIXED_FORMS[base.compensation])
+
+
 class Auto(Mode):
     """Per-layer levels of every family, re-planned as the gradients' statistics change.
 
@@ -114,10 +131,13 @@ class Auto(Mode):
         from cgx.compression.powersgd import PowerSGDCompressor
         from cgx.compression.topk import TopKCompressor
         self.names = list(names)
+        deciding = compression.objective is Objective.TIME
         self.adaptive = AdaptiveSchedule(
             self.names, shapes, [s is not None for s in specs], compression,
             base if base.quantization_enabled else base.replace(bits=4),
-            error_feedback=cfg.error_feedback)
+            error_feedback=cfg.error_feedback,
+            compensations=_compensations(compression, base, deciding),
+            update_rule=cfg.update_rule, beta=cfg.store.compensator.settings.beta)
         # Layers planned to top-k or PowerSGD reduce through these (per-layer density and
         # rank set from the plan; with error feedback both keep their residuals, as
         # quantized layers do: one rule for every family; PowerSGD keeps its warm starts).
@@ -125,7 +145,6 @@ class Auto(Mode):
         self.powersgd = PowerSGDCompressor(min_compression_rate=0.0,
                                            error_feedback=cfg.error_feedback)
         self.casts = {f: FusedCast(f) for f in CASTS}
-        deciding = compression.objective is Objective.TIME
         self.planned = _planner_for(self.adaptive, compression, self.names, shapes,
                                     base) if compression.planner or deciding else None
         # objective="time": trials of whole plans decide what travels (cgx.deciding)
@@ -161,6 +180,7 @@ class Auto(Mode):
             if self.decider is not None:
                 self.decider.replanned(step, red.transport, verbose, red.timeline, since)
             self._collect_owed(old)
+            self.cfg.store.set_kinds(sched.compensation)
         trial_plan = self.decider.plan_now(step, red.timeline) if self.decider else None
         if self.decider is not None:
             self.planned.factors_rule = self.decider.factors_now(step)
@@ -241,6 +261,7 @@ class Auto(Mode):
     def load_state_dict(self, state: dict) -> None:
         if "adaptive" in state:
             self.adaptive.load_state_dict(state["adaptive"])
+            self.cfg.store.set_kinds(self.adaptive.compensation, restored=True)
             self.last_step = state.get("last_step")
             if "auto_topk" in state:
                 self.topk.load_state_dict(state["auto_topk"])

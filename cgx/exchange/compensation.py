@@ -41,27 +41,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.adaptive.compensation import Compensation
+from cgx.adaptive.compensation import Compensation, average_in, bucket_clamp
 
-
-def bucket_clamp(e: torch.Tensor, x: torch.Tensor, bucket: int) -> torch.Tensor:
-    """``e`` clipped per value so that ``x + e`` stays within the ``[min, max]`` of
-    ``x``'s bucket (consecutive runs of ``bucket`` values, the last one shorter); a new
-    contiguous float32 tensor.
-
-    Hidden cost: about five passes over the tensor (the bounds, two differences, the clamp).
-    """
-    n = x.numel()
-    full = n - n % bucket
-    out = torch.empty_like(e)
-    if full:
-        xm, em = x[:full].view(-1, bucket), e[:full].view(-1, bucket)
-        lo, hi = xm.amin(1, keepdim=True), xm.amax(1, keepdim=True)
-        torch.minimum(torch.maximum(em, lo - xm), hi - xm, out=out[:full].view(-1, bucket))
-    if full < n:
-        xt, et = x[full:], e[full:]
-        out[full:] = torch.minimum(torch.maximum(et, xt.min() - xt), xt.max() - xt)
-    return out
+__all__ = ["Compensator", "MovingAverage", "bucket_clamp"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +72,15 @@ class Compensator:
     """The buffers handed to the reducer and what is kept after, per tensor name.
 
     Args:
-        kind: the :class:`Compensation` (a store of an exchange without error feedback
-            never asks for buffers).
+        kind: the :class:`Compensation` of every tensor not in ``kinds`` (a store of an
+            exchange without error feedback never asks for buffers).
         held: the store's residual table (name -> flat float32, input units), updated here.
         settings: the moving average's (default :class:`MovingAverage`).
+
+    Attributes:
+        kinds: per tensor name, a :class:`Compensation` that replaces ``kind`` (auto's
+            measured choice, ``cgx.adaptive.probe``); a tensor whose compensation is
+            NONE gets no buffer.
     """
 
     def __init__(self, kind: Compensation, held: dict,
@@ -101,14 +88,27 @@ class Compensator:
         self.kind = kind
         self.held = held
         self.settings = settings if settings is not None else MovingAverage()
+        self.kinds: dict[str, Compensation] = {}
 
-    def buffer(self, name: str, w: torch.Tensor, spec, predivide: float) -> torch.Tensor:
-        """The float32 buffer of ``name`` (gradient ``w``, quantized by ``spec``)."""
+    def kind_of(self, name: str) -> Compensation:
+        return self.kinds.get(name, self.kind)
+
+    def compensates(self) -> bool:
+        """Whether any tensor keeps a residual."""
+        return self.kind is not Compensation.NONE or \
+            any(k is not Compensation.NONE for k in self.kinds.values())
+
+    def buffer(self, name: str, w: torch.Tensor, spec, predivide: float) -> Optional[torch.Tensor]:
+        """The float32 buffer of ``name`` (gradient ``w``, quantized by ``spec``); None when
+        its compensation is NONE."""
+        kind = self.kind_of(name)
+        if kind is Compensation.NONE:
+            return None
         e = self.held.get(name)
         if e is None or e.numel() != w.numel() or e.device != w.device:
             e = torch.zeros(w.numel(), dtype=torch.float32, device=w.device)
             self.held[name] = e
-        if self.kind is not Compensation.MOVING_AVERAGE:
+        if kind is not Compensation.MOVING_AVERAGE:
             return e  # classic: the reducer updates the residual in place
         x = w.detach().reshape(-1).to(torch.float32)
         if predivide != 1.0:
@@ -118,13 +118,8 @@ class Compensator:
 
     def settle(self, names: Sequence[str], buffers: Sequence) -> None:
         """After the reducer: ``buffers`` hold what quantization dropped."""
-        if self.kind is not Compensation.MOVING_AVERAGE:
-            return
         beta = self.settings.beta
         for n, b in zip(names, buffers):
-            if b is None:
+            if b is None or self.kind_of(n) is not Compensation.MOVING_AVERAGE:
                 continue
-            if beta:
-                self.held[n].mul_(beta).add_(b, alpha=1.0 - beta)
-            else:
-                self.held[n] = b
+            self.held[n] = average_in(self.held[n], b, beta)

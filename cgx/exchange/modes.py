@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from cgx.adaptive.compensation import UpdateRule
 from cgx.comm.base import ReduceOp
 from cgx.exchange.residuals import ResidualStore
 from cgx.quant.codec import FLOAT_DTYPES
@@ -33,12 +34,13 @@ class GradMode(enum.Enum):
 @dataclasses.dataclass
 class Settings:
     """What every mode reads: the reduction op, the predivide factor, whether residuals
-    are kept, and where they are kept."""
+    are kept, where they are kept, and the optimizer's update rule."""
 
     op: ReduceOp
     predivide: float
     error_feedback: bool
     store: ResidualStore
+    update_rule: UpdateRule = UpdateRule.UNKNOWN
 
 
 @dataclasses.dataclass
@@ -84,7 +86,7 @@ def reduce_fused(cfg: Settings, red, call: Call, specs: Sequence,
     if every and call.step % every == 0 and not call.shadow:
         red.add_stats(_layer_errors(call.names, specs, work, red.config.cpu_threads))
     residuals = None
-    if cfg.error_feedback and not call.shadow:
+    if cfg.store.keeps_any() and not call.shadow:
         cfg.store.send_with_exact(work, call.names, specs)
         residuals = cfg.store.buffers(work, call.names, specs)
     red.allreduce(work, specs, op=cfg.op, prescale_factor=1.0 / cfg.predivide,

@@ -155,7 +155,7 @@ class GradientPlan:
         self.residuals = ResidualStore(self.predivide,
                                        compensation_for(error_feedback, update_rule,
                                                         cfg.compensation))
-        settings = Settings(op, self.predivide, error_feedback, self.residuals)
+        settings = Settings(op, self.predivide, error_feedback, self.residuals, update_rule)
         self.reduction = make_mode(mode, settings, comp, self.names, self.shapes, self.specs,
                                    base)
         # Exact exchange for the first steps (Compression.quantize/topk(warmup_steps=...),

@@ -49,6 +49,29 @@ class ResidualStore:
         return [self.compensator.buffer(n, w, s, self.predivide) if s is not None else None
                 for n, s, w in zip(names, specs, work)]
 
+    def keeps_any(self) -> bool:
+        """Whether any tensor keeps a residual (the exchange asks for buffers only then)."""
+        return self.compensator.compensates()
+
+    def set_kinds(self, kinds: dict, restored: bool = False) -> None:
+        """Per tensor name, its :class:`Compensation` from now on (the others keep the
+        store's). A classic residual is what the tensor still owes: when its compensation
+        changes, it is added once to the tensor's next gradient; a moving average is not
+        owed, and is dropped. ``restored``: the kinds of a checkpoint whose residuals the
+        store already holds (nothing is moved)."""
+        comp = self.compensator
+        if restored:
+            comp.kinds = dict(kinds)
+            return
+        for name, kind in kinds.items():
+            old = comp.kind_of(name)
+            if kind is old:
+                continue
+            e = self.residuals.pop(name, None)
+            if old is Compensation.ERROR_FEEDBACK and e is not None:
+                self.owe(name, e)
+            comp.kinds[name] = kind
+
     def settle(self, names: Sequence[str], buffers: Sequence) -> None:
         """After the reducer: keep what the compensation keeps of what it dropped."""
         self.compensator.settle(names, buffers)

@@ -111,7 +111,8 @@ def _residuals_by_optimizer(rank, world, optimizer, families):
     gp = opt._plan
     held = {n: n in gp.residuals.residuals or gp.reduction.topk.residual(n) is not None
             or gp.reduction.powersgd.residual(n) is not None for n in plan if plan[n] != "exact"}
-    return {"plan": plan, "held": held}
+    measured = {r["layer"]: r["compensation"] for r in opt.compression_plan()}
+    return {"plan": plan, "held": held, "compensation": measured}
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -124,13 +125,22 @@ def test_error_feedback_follows_the_optimizer_in_every_family(optimizer):
         assert set(out["held"].values()) == {optimizer == "sgd"}, out
 
 
-def test_without_error_feedback_the_default_families_are_quantization_only():
-    # AdamW: no residuals, and top-k and PowerSGD, biased without them, are not offered
-    # beside quantization (the layers that took them under SGD are quantized).
+@pytest.mark.parametrize("world", [2, 3])
+def test_without_error_feedback_the_default_families_are_quantization_only(world):
+    # AdamW: top-k and PowerSGD, biased without residuals, are not offered beside
+    # quantization (the layers that took them under SGD are quantized); a quantized layer
+    # keeps a residual exactly where its measured compensation (cgx.adaptive.probe) does.
     families = ("quantize", "topk", "powersgd")
-    for out in run_gloo(_residuals_by_optimizer, 2, "adamw", families):
+    outs = run_gloo(_residuals_by_optimizer, world, "adamw", families)
+    assert all(o["compensation"] == outs[0]["compensation"] for o in outs)  # on every rank
+    for out in outs:
         assert set(out["plan"].values()) == {"quantize", "exact"}, out
-        assert not any(out["held"].values()), out
+        measured = {n: out["compensation"][n] for n in out["held"] if out["compensation"][n]}
+        assert measured and set(measured.values()) <= \
+            {"none", "moving_average", "error_feedback"}, out
+        # not measured (a layer without gradients): the optimizer's rule, no residual
+        assert out["held"] == {n: out["compensation"][n] not in ("", "none")
+                               for n in out["held"]}, out
 
 
 def _unused_layer(rank, world, spare_from):

@@ -106,7 +106,10 @@ def _ddp_error_feedback(rank, world, optimizer, env_ef):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    return {"ef": state.error_feedback, "residuals": len(state.plan.residuals.residuals),
+    rows = state.compression_plan()
+    return {"ef": state.error_feedback, "held": sorted(state.plan.residuals.residuals),
+            "quantized": {r["layer"]: r["compensation"] for r in rows
+                          if r["family"] == "quantize"},
             "forced": forced.error_feedback, "user_object": comp.error_feedback}
 
 
@@ -115,9 +118,14 @@ def test_ddp_hook_auto_error_feedback_follows_the_optimizer(optimizer, env_ef):
     # The environment says the opposite of the optimizer's rule: the optimizer wins, as in
     # DistributedOptimizer; an explicit error_feedback= wins over both, and the user's
     # Compression.auto object is left as it was (error_feedback=None).
+    # Each quantized layer's compensation is then measured (cgx.adaptive.probe): it keeps
+    # a residual where that is not "none"; a layer not measured keeps the rule's.
+    default = "error_feedback" if optimizer == "sgd" else "none"
     for out in run_gloo(_ddp_error_feedback, 2, optimizer, env_ef):
         assert out["ef"] is (optimizer == "sgd"), out
-        assert (out["residuals"] > 0) is (optimizer == "sgd"), out
+        assert any(out["quantized"].values()), out
+        assert out["held"] == sorted(n for n, c in out["quantized"].items()
+                                     if (c or default) != "none"), out
         assert out["forced"] is True
         assert out["user_object"] is None
 
