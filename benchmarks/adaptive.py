@@ -17,7 +17,12 @@
 5. Compensation (``--compensation``): the LM under AdamW with 2-bit quantization,
    without error feedback, with classic error feedback (``CGX_COMPENSATION=classic``)
    and with ``error_feedback=True`` as it is under an adaptive optimizer (the moving
-   average of ``cgx.exchange.compensation``), against fp32, over ``--lm-seeds`` seeds.
+   average of ``cgx.exchange.compensation``), against fp32, over ``--lm-seeds`` seeds;
+   with ``--methods "fp32,auto EF off,auto,auto EF on"``, auto's compensation measured per
+   layer (``cgx.adaptive.probe``) against none (``--optimizer SGD`` for SGD).
+6. The probe alone (``--probe-bits N``): one process trains the LM (``--optimizer``) and,
+   over 10 steps from step 20, runs ``cgx.adaptive.probe`` on every matrix at uniform
+   N-bit quantization: per layer each compensation's shortfall and noise, and the choice.
 
 Usage::
 
@@ -26,6 +31,7 @@ Usage::
     .venv/bin/python benchmarks/adaptive.py --measure-only --out docs/results/adaptive-measure
     .venv/bin/python benchmarks/adaptive.py --compensation --lm-seeds 2 --out docs/results/adaptive-compensation
     .venv/bin/python benchmarks/adaptive.py --compensation --methods "2-bit nearest,2-bit nearest + EF classic,2-bit nearest + EF" --out docs/results/adaptive-compensation-nearest
+    .venv/bin/python benchmarks/adaptive.py --probe-bits 2 --out docs/results/adaptive-probe-2bit
 
 Writes ``<out>.json`` and ``<out>.md`` and prints the tables.
 """
@@ -290,6 +296,52 @@ def _lm_rank(rank, world, port, method, optimizer, steps, seed, out):
     dist.destroy_process_group()
 
 
+PROBE_START, PROBE_STEPS = 20, 10  # --probe-bits: the steps the probe follows
+
+
+def bench_probe(bits: int, optimizer: str) -> list:
+    """--probe-bits: per LM matrix, the probe's measures at uniform ``bits`` (bucket 1024,
+    stochastic rounding) and its choice among the three compensations."""
+    import torch
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.timetoacc.workloads import make
+    from cgx.adaptive import probe, stats
+    from cgx.adaptive.compensation import UpdateRule
+    from cgx.quant.codec import QuantSpec
+    torch.manual_seed(0)
+    w = make("lm", 0, 1, 0)
+    model = w.model
+    adaptive = optimizer == "AdamW"
+    opt = w.optimizer(model.parameters()) if adaptive else \
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rule = UpdateRule.ADAPTIVE if adaptive else UpdateRule.LINEAR
+    probes: dict = {}
+    for step in range(1, PROBE_START + PROBE_STEPS + 1):
+        opt.zero_grad()
+        w.loss_fn(model, w.train_batch(step)).backward()
+        for n, p in model.named_parameters():
+            if step > PROBE_START and p.grad is not None and p.dim() >= 2:
+                pr = probes.setdefault(n, probe.LayerProbe(p.numel(), QuantSpec(bits, 1024),
+                                                           rule, 0.95))
+                pr.step(p.grad, stats.step_key(step, n))
+        opt.step()
+    rows = []
+    for n, pr in probes.items():
+        m = probe.measures(pr.sums_now())
+        rows.append({"layer": n, "measures": m, "choice": probe.choose(
+            m, probe.options_for(None, None)).value if m is not None else None})
+    return rows
+
+
+def probe_table(rows: list) -> list:
+    lines = ["| layer | none: shortfall / noise | classic | moving average | chosen |",
+             "|---|---:|---:|---:|---|"]
+    for r in rows:
+        cells = " | ".join(f"{a:.3f} / {b:.3f}" for a, b in r["measures"] or ())
+        lines.append(f"| {r['layer']} | {cells} | {r['choice']} |")
+    return lines
+
+
 def _measured(rows: list) -> dict:
     """How many quantized layers of the last plan took each measured compensation."""
     out: dict = {}
@@ -379,8 +431,19 @@ def main(argv=None) -> int:
                    "('auto', 'auto EF on', 'auto EF off': Compression.auto and its "
                    "error_feedback None, True, False)")
     p.add_argument("--optimizer", default="AdamW", choices=("AdamW", "SGD"),
-                   help="--compensation: the LM's optimizer")
+                   help="--compensation, --probe-bits: the LM's optimizer")
+    p.add_argument("--probe-bits", type=int, default=0,
+                   help="the compensation probe alone, at this uniform level (0: not run)")
     args = p.parse_args(argv)
+    if args.probe_bits:
+        rows = bench_probe(args.probe_bits, args.optimizer)
+        lines = [f"cgx.adaptive.probe on the LM under {args.optimizer}, one process, steps "
+                 f"{PROBE_START + 1}-{PROBE_START + PROBE_STEPS}, uniform {args.probe_bits}-bit "
+                 "(bucket 1024, stochastic rounding): per layer and compensation, the share "
+                 "of the true path the sent one misses (shortfall) and what it adds across it "
+                 "(noise)", ""]
+        return _write(args, lines + probe_table(rows), {"probe": rows},
+                      "one process, 2 cores, no GPU")
     if args.compensation:
         methods = tuple(m.strip() for m in args.methods.split(","))
         runs = bench_compensation(args.lm_steps, args.lm_seeds, methods, args.optimizer)

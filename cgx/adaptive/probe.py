@@ -26,9 +26,10 @@ Two numbers per compensation (:func:`measures`): the *shortfall* ``|1 - rho|``, 
 length. Under Adam an inflated second moment shrinks every step, and that shortfall is
 lost for good, while noise averages out over the steps: so progress decides first and
 noise second (:func:`choose`). On the project's LM at 2 bits the probe finds classic
-feedback's shortfall 0.07-0.09 of the path larger than none's under AdamW (it ends
-training 5% higher), and under SGD the three tied in progress and classic feedback's noise
-a tenth of none's (it ends lowest). The per-layer sums are added over ranks with one
+feedback's shortfall 0.04-0.10 of the path larger than none's under AdamW on every layer
+(in training it ends 5% higher), and under SGD classic feedback's shortfall the smallest
+and its noise 7-9% of none's (in training it ends lowest;
+docs/results/adaptive-probe-2bit.md, adaptive-probe-2bit-sgd.md, adaptive.md). The per-layer sums are added over ranks with one
 allreduce at the re-plan (:func:`cgx.adaptive.stats.combine`), so every rank takes the
 same decision.
 

@@ -189,3 +189,15 @@ def test_a_layer_unused_after_a_plan_keeps_the_level_it_had():
     assert first != "top 0.1%"  # the level a zero gradient would get
     assert [lv["spare.weight"] for lv in outs[0]] == [first] * 3, outs[0]
     assert outs[1] == outs[0]
+
+
+def test_under_an_adaptive_optimizer_topk_and_powersgd_are_not_offered_beside_quantization():
+    # their residuals are classic, which Adam's second moment takes badly (with
+    # error_feedback=True the LM ended 2.0% above fp32 with them, 0.5% without residuals)
+    from cgx.adaptive.candidates import Family
+    from cgx.adaptive.schedule import offered_families
+    every = ("quantize", "topk", "powersgd")
+    assert offered_families(every, True) == [Family.QUANTIZE, Family.TOPK, Family.POWERSGD]
+    assert offered_families(every, True, adaptive=True) == [Family.QUANTIZE]
+    assert offered_families(("topk", "powersgd"), True, adaptive=True) == \
+        [Family.TOPK, Family.POWERSGD]  # named without quantization: still offered
