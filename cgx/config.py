@@ -91,7 +91,8 @@ class CompensationChoice(enum.Enum):
     """How quantization's dropped values come back when error feedback is on
     (``CGX_COMPENSATION``; the algorithms: ``cgx.exchange.compensation``)."""
 
-    AUTO = "auto"  # by the optimizer: moving average under Adam-type ones, classic otherwise
+    AUTO = "auto"  # by the optimizer: moving average under Adam-type ones, classic otherwise;
+    # Compression.auto measures it per layer (cgx.adaptive.probe)
     CLASSIC = "classic"  # all of it, added to the next step's values
     MOVING_AVERAGE = "moving_average"  # a moving average of it, clipped to the bucket's range
 
@@ -381,7 +382,8 @@ ENV_VARS = {
     "CGX_COMPRESSION_SKIP_1D": "1-D tensors (biases, norms) travel uncompressed (default 1)",
     "CGX_COMPRESSION_ERROR_FEEDBACK": "keep the quantization residual and add it next step (default 0)",
     "CGX_COMPENSATION": "auto | classic | moving_average: how error feedback adds the residual "
-                        "back; auto: a moving average under Adam-type optimizers (default auto)",
+                        "back; auto: a moving average under Adam-type optimizers, and "
+                        "Compression.auto measures it per layer (default auto)",
     "CGX_COMPRESSION_CONFIG": "YAML file of per-layer rules (exclude, bits, bucket size)",
     "CGX_SEED": "seed of stochastic rounding, the same on every rank (default 0)",
     "CGX_COMPRESSION": "quantize | auto: what Compression.none means; auto picks per-layer "

@@ -38,6 +38,9 @@ quantizes the predivided gradient and then the reduced chunk, so the probe ranks
 compensations on a comparable error, not the same one. The shadow uses the named
 optimizer family's default betas, not the run's.
 
+A checkpoint keeps the decisions (``AdaptiveSchedule.state_dict``), not a window's probes:
+resumed inside a window, the next decision rests on the window's steps after the resume.
+
 Hidden cost: at each window step, for each probed layer on its rank, three quantize
 passes and about 30 elementwise passes over at most :data:`PROBE_VALUES` values.
 """
@@ -117,8 +120,10 @@ class LayerProbe:
 
     def step(self, g: torch.Tensor, key: int) -> None:
         """One window step with the layer's gradient ``g`` (any shape, finite)."""
-        x = g.detach().reshape(-1).to(torch.float32)
-        x = (x.clone() if self.index is None else x[self.index.to(x.device)]).cpu()
+        x = g.detach().reshape(-1)
+        if self.index is not None and self.index.device != x.device:
+            self.index = self.index.to(x.device)  # a CUDA gradient: gathered on its device
+        x = (x if self.index is None else x[self.index]).to("cpu", torch.float32, copy=True)
         self.path.add_(self.true.update(x))
         self.sums[0] += float(self.path.square().sum())
         for k, v in enumerate(VARIANTS):

@@ -221,10 +221,11 @@ class AdaptiveSchedule:
                 continue  # nothing to measure, or no gradient: nothing to learn
             cands, ranks = self.candidates[i], self._ranks(i)
             name, g = self.names[i], g.detach().reshape(-1).to(torch.float32)
-            finite = bool(torch.isfinite(g).all())
-            if finite and self._probes_layer(i):
+            probing, measure = self._probes_layer(i), sampled and self._measures(step, i)
+            if (probing or measure) and not bool(torch.isfinite(g).all()):
+                probing = measure = False
+            if probing:
                 self._probe(step, i, g)
-            measure = sampled and self._measures(step, i) and finite
             low = self.scorer.step(name, g, self.shapes[i], ranks, measure) if ranks else None
             if not measure:  # (not finite: a loss-scaling overflow's step is not measured)
                 continue
