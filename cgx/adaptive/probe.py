@@ -28,8 +28,8 @@ lost for good, while noise averages out over the steps: so progress decides firs
 noise second (:func:`choose`). On the project's LM at 2 bits the probe finds classic
 feedback's shortfall 0.04-0.10 of the path larger than none's under AdamW on every layer
 (in training it ends 5% higher), and under SGD classic feedback's shortfall the smallest
-and its noise 7-9% of none's (in training it ends lowest;
-docs/results/adaptive-probe-2bit.md, adaptive-probe-2bit-sgd.md, adaptive.md). The per-layer sums are added over ranks with one
+and its noise 7-9% of none's (in training it ends lowest; docs/results/adaptive-probe-2bit.md,
+adaptive-probe-2bit-sgd.md, adaptive.md). The per-layer sums are added over ranks with one
 allreduce at the re-plan (:func:`cgx.adaptive.stats.combine`), so every rank takes the
 same decision.
 
