@@ -122,6 +122,12 @@ def error_feedback_for(explicit: Optional[bool], rule: UpdateRule, configured: b
     return bool(configured)
 
 
+def named_form(choice: CompensationChoice) -> Optional[Compensation]:
+    """The form ``CGX_COMPENSATION`` names (None: AUTO, which names none)."""
+    return {CompensationChoice.CLASSIC: Compensation.ERROR_FEEDBACK,
+            CompensationChoice.MOVING_AVERAGE: Compensation.MOVING_AVERAGE}.get(choice)
+
+
 def compensation_for(error_feedback: bool, rule: UpdateRule,
                      choice: CompensationChoice = CompensationChoice.AUTO) -> Compensation:
     """The :class:`Compensation` of an exchange: NONE without ``error_feedback``; else
@@ -129,8 +135,8 @@ def compensation_for(error_feedback: bool, rule: UpdateRule,
     adaptive optimizer and classic ERROR_FEEDBACK under any other."""
     if not error_feedback:
         return Compensation.NONE
-    if choice is CompensationChoice.CLASSIC:
-        return Compensation.ERROR_FEEDBACK
-    if choice is CompensationChoice.MOVING_AVERAGE or rule is UpdateRule.ADAPTIVE:
-        return Compensation.MOVING_AVERAGE
-    return Compensation.ERROR_FEEDBACK
+    named = named_form(choice)
+    if named is not None:
+        return named
+    return Compensation.MOVING_AVERAGE if rule is UpdateRule.ADAPTIVE else \
+        Compensation.ERROR_FEEDBACK

@@ -113,7 +113,8 @@ class LayerProbe:
         adaptive = rule is UpdateRule.ADAPTIVE
         self.true = ShadowUpdate(n, adaptive)
         self.shadows = {v: ShadowUpdate(n, adaptive) for v in VARIANTS}
-        self.held = {v: torch.zeros(n, dtype=torch.float32) for v in VARIANTS}
+        self.held = {v: torch.zeros(n, dtype=torch.float32) for v in VARIANTS
+                     if v is not Compensation.NONE}  # the residuals
         self.path = torch.zeros(n, dtype=torch.float32)  # U_t
         self.paths = {v: torch.zeros(n, dtype=torch.float32) for v in VARIANTS}  # S_t
         self.sums = [0.0] * (1 + 2 * len(VARIANTS))  # see :meth:`sums_now`
@@ -134,18 +135,18 @@ class LayerProbe:
     def _send(self, v: Compensation, x: torch.Tensor, key: int) -> torch.Tensor:
         """What the exchange sends for ``x`` under compensation ``v``; updates its residual."""
         from cgx.quant.codec import quantize
-        e = self.held[v]
         if v is Compensation.NONE:
             y = x.clone()
-        elif v is Compensation.ERROR_FEEDBACK:
-            y = x + e
-        else:
-            y = x + bucket_clamp(e, x, self.spec.bucket_size)
+            quantize(y, self.spec, write_back=True, threads=1, key=key)
+            return y
+        e = self.held[v]
+        y = x + (e if v is Compensation.ERROR_FEEDBACK else
+                 bucket_clamp(e, x, self.spec.bucket_size))
         before = y.clone()
         quantize(y, self.spec, write_back=True, threads=1, key=key)
         if v is Compensation.ERROR_FEEDBACK:
             torch.sub(before, y, out=e)
-        elif v is Compensation.MOVING_AVERAGE:
+        else:
             self.held[v] = average_in(e, before - y, self.beta)
         return y
 

@@ -135,6 +135,12 @@ def resolution(noise: float, n_a: int, n_b: int) -> float:
     return RESOLUTION_Z * 1.2533 * noise * math.sqrt(1.0 / n_a + 1.0 / n_b)
 
 
+def margin(floor: float, noise: float, n_a: int, n_b: int) -> float:
+    """How far apart two plans' medians (of ``n_a`` and ``n_b`` steps) still tie: ``floor``
+    (a tie or runoff tolerance), or what the clock cannot resolve when that is wider."""
+    return max(floor, resolution(noise, n_a, n_b))
+
+
 def choose(records: Sequence[PlanRecord], tie_tolerance: float, noise: float = 0.0) -> int:
     """The index of the fastest measured plan within the budget; among plans within
     ``tie_tolerance`` of it (or within what the clock resolves at the round's step spread
@@ -151,11 +157,9 @@ def choose(records: Sequence[PlanRecord], tie_tolerance: float, noise: float = 0
         raise ValueError("no plan of the round is within the error budget and measured; the "
                          "exact plan always is: propose it")
     fastest = min(pool, key=lambda k: records[k].measured_s)
-    best = records[fastest].measured_s
-
-    def margin(k: int) -> float:
-        return max(tie_tolerance, resolution(noise, records[fastest].samples, records[k].samples))
-    ties = [k for k in pool if records[k].measured_s <= best * (1 + margin(k))]
+    best, n = records[fastest].measured_s, records[fastest].samples
+    ties = [k for k in pool if records[k].measured_s <= best * (
+        1 + margin(tie_tolerance, noise, n, records[k].samples))]
     return min(ties, key=lambda k: (records[k].error, records[k].bytes, k))
 
 
@@ -320,8 +324,8 @@ class Trials:
             return []
         fastest = min(medians, key=medians.get)
         noise, n = step_noise(self._times), len(self._times[fastest])
-        close = {k for k, m in medians.items() if m <= medians[fastest] * (1 + max(
-            self.settings.runoff_margin, resolution(noise, n, len(self._times[k]))))}
+        close = {k for k, m in medians.items() if m <= medians[fastest] * (
+            1 + margin(self.settings.runoff_margin, noise, n, len(self._times[k])))}
         if len(close) < 2:
             return []
         self.runoffs += 1

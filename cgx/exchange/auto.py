@@ -23,23 +23,18 @@ import torch
 from cgx.adaptive import AdaptiveSchedule
 from cgx.adaptive import probe
 from cgx.adaptive.candidates import CASTS, Family
-from cgx.adaptive.compensation import Compensation
+from cgx.adaptive.compensation import named_form
 from cgx.comm.base import ReduceOp
 from cgx.compression import ErrorFeedback
 from cgx.compression.auto import Objective
 from cgx.compression.planned import PlannedCompression
 from cgx.deciding import Decider
 from cgx.exchange.modes import Call, GradMode, Mode, Settings, reduce_family, reduce_fused
-from cgx.config import CompensationChoice
 from cgx.quant.codec import QuantSpec
 
 
 # The families reduced apart from the fused quantized/exact call, in this order.
 SEPARATE = (Family.TOPK, Family.POWERSGD, *CASTS)
-# The compensation CGX_COMPENSATION names (None: measured between the forms).
-FIXED_FORMS = {CompensationChoice.AUTO: None,
-               CompensationChoice.CLASSIC: Compensation.ERROR_FEEDBACK,
-               CompensationChoice.MOVING_AVERAGE: Compensation.MOVING_AVERAGE}
 
 
 class FusedCast:
@@ -111,7 +106,7 @@ def _compensations(compression, base, deciding: bool) -> tuple:
     since residuals cost every plan step time and the probe weighs accuracy alone."""
     if deciding and compression.error_feedback is None:
         return ()
-    return probe.options_for(compression.error_feedback, FIXED_FORMS[base.compensation])
+    return probe.options_for(compression.error_feedback, named_form(base.compensation))
 
 
 class Auto(Mode):
