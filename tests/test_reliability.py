@@ -469,3 +469,31 @@ def test_engine_that_cannot_use_its_device_fails_its_work_instead_of_hanging():
     engine = Engine(device=torch.device("cuda", 99))
     with pytest.raises(CGXError, match="could not use cuda:99"):
         engine.submit(lambda: 1, label="probe").wait()
+
+
+def test_shutdown_waits_for_the_watchdog_to_leave_its_store_call():
+    """A daemon thread still inside a store call when the interpreter finalizes aborts the
+    process (SIGABRT after a finished run): shutdown returns only once the watchdog, which
+    posts this rank's progress to the store, has left."""
+    import threading
+    import time
+
+    from cgx.collectives.engine import Engine
+
+    class SlowBoard:
+        def __init__(self):
+            self.entered = threading.Event()
+            self.in_flight = 0
+
+        def publish(self, submitted, last):
+            self.in_flight += 1
+            self.entered.set()
+            time.sleep(0.5)
+            self.in_flight -= 1
+
+    board = SlowBoard()
+    engine = Engine(board=board)
+    assert board.entered.wait(10), "the watchdog never posted progress"
+    engine.shutdown()
+    assert board.in_flight == 0
+    assert not engine._watchdog.is_alive()

@@ -265,18 +265,34 @@ class Engine:
                 print(msg, file=sys.stderr, flush=True)
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop the worker after what is queued (a failed engine: at once, never hanging)."""
+        """Stop the worker after what is queued (a failed engine: at once, never hanging),
+        and the watchdog; ``wait``: until both have left."""
         self._stop.set()
         if self._thread.is_alive():
             self._queue.put(None)
-            if wait:
-                # A worker stuck in a collective with a dead rank may never return
-                # (until the watchdog fails it): once failed, give it a few seconds,
-                # then go on; the thread is a daemon, so exit does not wait for it.
-                failed_at = None
-                while self._thread.is_alive():
-                    self._thread.join(0.2)
-                    if self._failed is not None:
-                        failed_at = failed_at or time.monotonic()
-                        if time.monotonic() - failed_at > JOIN_FAILED_S:
-                            break
+        if wait:
+            self._join_worker()
+            self._join_watchdog()
+
+    def _join_worker(self) -> None:
+        # A worker stuck in a collective with a dead rank may never return (until the
+        # watchdog fails it): once failed, give it a few seconds, then go on; the thread
+        # is a daemon, so exit does not wait for it.
+        failed_at = None
+        while self._thread.is_alive():
+            self._thread.join(0.2)
+            if self._failed is not None:
+                failed_at = failed_at or time.monotonic()
+                if time.monotonic() - failed_at > JOIN_FAILED_S:
+                    break
+
+    def _join_watchdog(self) -> None:
+        """Wait for the watchdog to leave (it wakes at once; a store call ends within seconds).
+
+        A daemon thread still inside a torch.distributed store call when the interpreter
+        finalizes aborts the process ("terminate called without an active exception"),
+        so a job that trained to the end would exit with SIGABRT.
+        """
+        dog = self._watchdog
+        if dog is not None and dog is not threading.current_thread():
+            dog.join(JOIN_FAILED_S + HEARTBEAT_S)
