@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 import types
-from typing import Any
+from typing import Any, Optional
 
 from cgx.console import progress
 
@@ -379,6 +379,13 @@ def _decide_lines(results: list, warmup: int) -> list[str]:
         if others:
             best = min(others, key=others.get)
             out[-1] += f"; {t / others[best]:.3f}x the fastest other method ({best})"
+            ratios = _paired(r, ok[best]) if len(r.get("round_means", ())) > 1 else None
+            if ratios:
+                out[-1] += (f"; round by round {statistics.median(ratios):.3f}x its step "
+                            f"(median; {min(ratios):.3f}-{max(ratios):.3f}: "
+                            + ", ".join(f"{x:.3f}" for x in ratios) + ")")
+        if len(r.get("kept_by_round", ())) > 1:
+            out[-1] += "; kept by round: " + ", ".join(f"'{k}'" for k in r["kept_by_round"])
         out += [f"Deciding took {len(r['deciding_s'])} steps ({rnd.get('setup_s', 0.0):.2f} s "
                 f"of setup: the planner's measurements, the proposals); after the first "
                 f"{warmup}, {cost:.1f} s beyond the kept plan's step: "
@@ -402,7 +409,19 @@ def _merge(runs: list) -> dict:
     out = dict(ok[-1])
     out["times_s"] = [t for r in ok for t in r["times_s"]]
     out["round_means"] = [statistics.mean(r["times_s"]) for r in ok]
+    if len(ok) == len(runs):  # a round that failed would shift the pairing by round
+        out["round_means_paired"] = True
+    if ok[-1].get("trials"):  # a deciding method decides again in every round
+        out["kept_by_round"] = [r["trials"][-1]["chosen"] for r in ok]
     return out
+
+
+def _paired(r: dict, o: dict) -> Optional[list[float]]:
+    """``r``'s round means over ``o``'s, round by round (the same round shares the machine's
+    drift); None unless both ran every round."""
+    if not (r.get("round_means_paired") and o.get("round_means_paired")):
+        return None
+    return [a / b for a, b in zip(r["round_means"], o["round_means"])]
 
 
 def _plot(results, path, rate) -> None:
