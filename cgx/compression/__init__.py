@@ -108,7 +108,7 @@ class Compression:
                 assume_gbit: Optional[float] = None, error_feedback: bool = False,
                 replan_every: int = 50, drift_tolerance: float = 0.25, trials: bool = True,
                 trial_steps: int = 3, trial_warmup_steps: int = 3,
-                device_profile=None, trial_runoffs: int = 1) -> Compressor:
+                device_profile=None, trial_runoffs: int = 3) -> Compressor:
         """Exact or quantized per tensor, as the planner predicts is fastest (Espresso),
         confirmed by the step clock.
 

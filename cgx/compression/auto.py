@@ -112,7 +112,8 @@ class AutoCompression(Policy):
         trial_warmup_steps: with ``objective="time"``: steps between a round's setup and the
             first plan's turn (>= 0).
         trial_runoffs: with ``objective="time"``: extra turns for the plans measured within
-            10% of the fastest, times pooled (>= 0; 1: one more pass, 0: none).
+            10% of the fastest, times pooled; after the first, only for those the clock
+            still cannot tell from it (>= 0 passes; 0: none).
         model_plans: with ``objective="time"``: how many of the model's plans are tried
             beside the two baselines (>= 0).
         error_feedback: keep residuals, in every family (None: by the optimizer's update
@@ -139,7 +140,7 @@ class AutoCompression(Policy):
                  error_feedback: Optional[bool] = None, planner: bool = False,
                  assume_gbit: Optional[float] = None, objective: "Objective | str" = "bytes",
                  trial_steps: int = 3, recheck_every: int = 200, drift_tolerance: float = 0.2,
-                 model_plans: int = 2, trial_warmup_steps: int = 3, trial_runoffs: int = 1):
+                 model_plans: int = 2, trial_warmup_steps: int = 3, trial_runoffs: int = 3):
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
             raise ValueError(f"alpha={alpha!r} must be a number > 0: the plan's error may be "
                              "alpha times the uniform default's (1.0: as accurate)")

@@ -44,7 +44,7 @@ class PlannedCompression(Policy):
             plan travels as predicted, checked against its prediction.
         trial_steps, trial_warmup_steps: see ``trials``.
         trial_runoffs: extra turns for the plans measured within 10% of the fastest, their
-            times pooled (0: none).
+            times pooled; after the first, only for those still tied with it (0: none).
         device_profile: for CUDA gradients, where compression may run
             (:class:`cgx.planner.placement.DeviceProfile`: the GPU's kernels or the host's
             C path on pinned copies, per tensor, weighed by the planner; see
@@ -60,7 +60,7 @@ class PlannedCompression(Policy):
                  assume_gbit: Optional[float] = None, error_feedback: bool = False,
                  replan_every: int = 50, drift_tolerance: float = 0.25, trials: bool = True,
                  trial_steps: int = 3, trial_warmup_steps: int = 3, device_profile=None,
-                 trial_runoffs: int = 1):
+                 trial_runoffs: int = 3):
         from cgx.config import validate_bits, validate_bucket_size
         self.bits = validate_bits(bits, "Compression.planned bits")
         if self.bits > 8:

@@ -32,6 +32,9 @@ class TrialSettings:
             ``runoff_margin`` of the fastest (when two or more are), in the reverse
             order of the pass before, each plan's times pooled: a few steps measure a
             plan to about 10% on shared cores, as much as the best plans often differ.
+            After the first, a pass runs only the plans the clock still cannot tell
+            from the fastest (a tie :func:`cgx.deciding.trials.choose` would break by
+            error), so close plans are measured until they separate, or tie for real.
         runoff_margin: how close (relative) to the fastest a plan runs again.
     """
 
@@ -41,7 +44,7 @@ class TrialSettings:
     recheck_every: int = 200
     drift_tolerance: float = 0.2
     tie_tolerance: float = 0.02
-    runoffs: int = 1
+    runoffs: int = 3
     runoff_margin: float = 0.1
 
     def __post_init__(self):

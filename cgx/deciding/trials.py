@@ -19,7 +19,9 @@ Timeline (``K`` plans, ``s`` = settle_steps, ``m`` = steps per plan)::
                             turn each (the reverse order
                             of the pass before: a drift of the machine over the round
                             weighs on both ends alike), their times pooled with the
-                            first; ``runoffs`` such passes at most
+                            first; later passes only for the plans the clock still
+                            cannot tell from the fastest (within ``tie_tolerance`` or
+                            the resolution); ``runoffs`` passes at most
     after the last turn     every rank at its first reduction: the fastest plan's median
                             within the error budget is kept (ties, within
                             ``tie_tolerance`` or the clock's resolution: less error, then
@@ -316,16 +318,19 @@ class Trials:
 
     def _runoff(self) -> list[int]:
         """The plans that run again (a runoff pass), or none: those within the budget whose
-        median is within ``runoff_margin`` of the fastest, when two or more are and passes
-        are left, in the reverse order of their last turns."""
+        median is within ``runoff_margin`` of the fastest (after the first pass: those the
+        clock cannot yet tell from it, which :func:`choose` would call a tie), when two or
+        more are and passes are left, in the reverse order of their last turns."""
         medians = {k: statistics.median(t) for k, t in enumerate(self._times)
                    if t and self.records[k].eligible}
         if self.runoffs >= self.settings.runoffs or len(medians) < 2:
             return []
         fastest = min(medians, key=medians.get)
         noise, n = step_noise(self._times), len(self._times[fastest])
+        floor = self.settings.runoff_margin if self.runoffs == 0 else \
+            self.settings.tie_tolerance
         close = {k for k, m in medians.items() if m <= medians[fastest] * (
-            1 + margin(self.settings.runoff_margin, noise, n, len(self._times[k])))}
+            1 + margin(floor, noise, n, len(self._times[k])))}
         if len(close) < 2:
             return []
         self.runoffs += 1

@@ -31,7 +31,7 @@ def _decide_with_factors(rank, world):
                                    named_parameters=model.named_parameters(), compression=comp,
                                    sufficient_factors=model)
     used, exact_err = [], []
-    for step in range(26):  # window 2, up to 6 plans x 2 steps, a runoff of as many
+    for step in range(52):  # window 2, up to 6 plans x 2 steps, 3 runoffs of as many
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
         ref = copy.deepcopy(model)  # this rank's own gradient, averaged exactly below
@@ -87,7 +87,7 @@ def _resumed_keeps_the_factor_say(rank, world):
         if resume:
             opt.load_state_dict(saved)
         used = []
-        for step in range(26 if not resume else 3):
+        for step in range(52 if not resume else 3):
             g = torch.Generator().manual_seed(100 * step + rank)
             x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
             opt.zero_grad()

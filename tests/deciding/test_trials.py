@@ -110,6 +110,27 @@ def test_noisy_steps_send_a_plan_further_behind_into_the_runoff():
     assert plans[:10] == [0] * 3 + [1] * 3 + [2] * 3 + [1] and flat.runoffs == 0
 
 
+def test_later_runoffs_run_only_the_plans_the_clock_still_ties_with_the_fastest():
+    # exact steady 9% behind uniform (within runoff_margin: the first runoff pass), the
+    # model plan 1.5% behind (a tie at tie_tolerance 2%): exact drops out after one pass,
+    # the two tied plans keep alternating until the passes are spent
+    steps = {0: (0.0218,) * 3, 1: (0.0198, 0.0202, 0.0200), 2: (0.0201, 0.0205, 0.0203)}
+    t = Trials(TrialSettings(steps=3, settle_steps=0, warmup_steps=0, recheck_every=0,
+                             runoffs=3, runoff_margin=0.1, tie_tolerance=0.02))
+    t.begin(0, _records())
+    seen = {0: 0, 1: 0, 2: 0}
+
+    def clock(k):
+        seen[k] += 1
+        return steps[k][(seen[k] - 1) % 3]
+    events, plans = _run(t, [clock] * 31, first=0)
+    assert plans[:30] == ([0] * 3 + [1] * 3 + [2] * 3 + [2] * 3 + [1] * 3 + [0] * 3
+                          + [1] * 3 + [2] * 3 + [2] * 3 + [1] * 3)
+    assert t.runoffs == 3 and Event.DECIDED in events
+    assert [r.samples for r in t.records] == [6, 12, 12]
+    assert t.chosen == 2  # still a tie after 12 steps each: the smaller error wins it
+
+
 def test_a_round_runs_each_plan_in_turn_measures_after_settling_and_keeps_the_fastest():
     s = TrialSettings(steps=2, settle_steps=1, warmup_steps=0, recheck_every=0)
     t = Trials(s)
