@@ -146,3 +146,53 @@ def test_one_option_is_not_probed():
     assert not sched._probes_layer(0)
     sched.observe(0, [0], [torch.randn(64, 64)])
     assert not sched._probes
+
+
+def _tied_lm(rank, world):
+    import cgx.torch as hvd
+    hvd.init()
+
+    class TiedLM(torch.nn.Module):  # the embedding and the output layer share one weight
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = torch.nn.Embedding(512, 64)
+            self.mix = torch.nn.Linear(64, 64)
+            self.head = torch.nn.Linear(64, 512, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, tokens):
+            return self.head(torch.tanh(self.mix(self.emb(tokens).mean(1))))
+
+    model = TiedLM()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), named_parameters=model.named_parameters(),
+        compression=hvd.Compression.auto(families=("quantize",), window=3, adjust_every=6))
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(14):
+        tokens = torch.randint(0, 512, (32, 6), generator=g)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(tokens), tokens[:, 0])
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"rows": opt.compression_plan(), "losses": losses,
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.multiproc
+def test_a_tied_weight_through_quantized_auto_and_the_probe_is_one_layer_on_every_rank():
+    """Adam, error feedback left to the probe: the weight the embedding and the output layer
+    share is planned once, quantized with a measured compensation, and every rank ends with
+    the same parameters (a wrong per-use reduction or an unequal probe would part them)."""
+    from spawn import run_gloo
+    a, b = run_gloo(_tied_lm, 2)
+    assert a["rows"] == b["rows"]
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    names = [r["layer"] for r in a["rows"]]
+    assert names.count("emb.weight") == 1 and "head.weight" not in names, names
+    tied = next(r for r in a["rows"] if r["layer"] == "emb.weight")
+    assert tied["family"] == "quantize"
+    assert tied["compensation"] in {c.value for c in (NONE, CLASSIC, AVERAGE)}, tied
+    assert a["losses"][-1] < a["losses"][0]
