@@ -34,20 +34,10 @@ from benchmarks.timetoacc.workloads import make  # noqa: E402
 H = 50  # sync_every; the outer optimizer is DiLoCo's default (Nesterov, lr 0.7, momentum 0.9)
 
 
-def _norms(model):
-    return [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-
-
 def recalibrated(model, batches):
     """A copy of ``model`` whose BatchNorm statistics are the average over ``batches``."""
     m = copy.deepcopy(model)
-    for bn in _norms(m):
-        bn.reset_running_stats()
-        bn.momentum = None  # a cumulative average
-    m.train()
-    with torch.no_grad():
-        for x in batches:
-            m(x)
+    torch.optim.swa_utils.update_bn(batches, m)
     return m
 
 
