@@ -1,81 +1,155 @@
-"""The deciding exchange against the fixed exchange of the plan it keeps, paired.
+"""The deciding exchange against every other method, paired in one process.
 
-Each rank holds two VGG-11 models (benchmarks/training.py's), one with fixed 4-bit, one
-with ``Compression.auto(objective="time")`` (training.py's settings); the deciding one
-runs until it keeps a plan, then the two take turns in blocks of timed steps (a barrier
-around each block, which goes first alternating), so that both see the same machine.
-Separate runs of one plan minutes apart differ by up to ~8% on 2 shared cores; this
-says whether the deciding exchange itself costs anything once it has decided.
+Each rank holds one VGG-11 (benchmarks/training.py's, batch 8) per method: the deciding
+exchanges (``Compression.auto(objective="time")``, with and without the model) and the
+methods they must not lose to (DDP fp32/fp16/bf16/PowerSGD, cgx 8-bit, 4-bit, 4-bit +
+factors). The deciding ones run until they keep a plan; then every method takes a turn in
+each block of timed steps (one untimed step first: the switch; a barrier around each
+turn; the order rotates from block to block), so that all of them see the same machine.
+Separate runs of one plan minutes apart differ by up to ~15% on 2 shared cores, more than
+the 3% the deciding exchange is allowed; paired blocks cancel that drift.
 
-    .venv/bin/python -m torch.distributed.run --nproc_per_node 2 benchmarks/decide_paired.py
+    .venv/bin/python benchmarks/decide_paired.py --rate 10gbit --blocks 12 \\
+        --out docs/results/decide-paired-10gbit
+
+Both ranks run in their own network namespace behind a ``tc tbf``-shaped link
+(``benchmarks/netsim``; ``--rate none``: unshaped), as in training.py. Writes
+``<out>.md`` and ``<out>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
-
-import torch
-import torch.distributed as dist
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.training import DECIDE, vgg11  # noqa: E402
+from benchmarks.training import TRIALS, torch_method  # noqa: E402
+
+DECIDING = ["cgx-decide", "cgx-decide-sfb"]
+OTHERS = ["ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "cgx-optimizer-8bit",
+          "cgx-optimizer", "cgx-optimizer-sfb"]
+# Trials keep re-checking the kept plan every recheck_every steps; a block's first interval
+# holds the other methods' turns, so a run this long could see drift that is not there.
+DECIDE_CAP = 150
 
 
-def _trainer(hvd, comp, x, y):
-    torch.manual_seed(0)
-    model = vgg11()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                   named_parameters=model.named_parameters(), compression=comp)
+def _turn(step, steps: int) -> float:
+    """One untimed step, then ``steps`` timed: the slowest rank's seconds per step."""
+    import torch
+    import torch.distributed as dist
+    step()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    dt = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
 
-    def step():
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return opt, step
+
+def rank_main(deciding: list, others: list, blocks: int, steps: int, batch: int,
+              trials: str) -> dict[str, Any]:
+    """Build every method, let the deciding ones keep a plan, then time ``blocks`` blocks."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(batch, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    methods = {m: torch_method(m, x, y, trials) for m in deciding + others}
+    decided = {}
+    for name in deciding:
+        opt, n = methods[name].opt, 0
+        while not opt.exchange_trials() and n < DECIDE_CAP:
+            methods[name].step()
+            n += 1
+        decided[name] = n
+    names = list(methods)
+    times: dict[str, list] = {m: [] for m in names}
+    for b in range(blocks):
+        for name in names[b % len(names):] + names[:b % len(names)]:
+            times[name].append(_turn(methods[name].step, steps))
+    out = {"times_s": times, "decide_steps": decided}
+    out["trials"] = {m: methods[m].opt.exchange_trials() for m in deciding}
+    return out
+
+
+def _ratios(res: dict, name: str, others: list) -> dict[str, list]:
+    """Per block: ``name``'s step over each other method's, and over the block's fastest."""
+    t = res["times_s"]
+    per = {o: [a / b for a, b in zip(t[name], t[o])] for o in others}
+    per["fastest other"] = [a / min(t[o][k] for o in others) for k, a in enumerate(t[name])]
+    return per
+
+
+def report(res: dict, args) -> list[str]:
+    t = res["times_s"]
+    others = [m for m in t if m not in res["decide_steps"]]
+    lines = [f"Command: `python benchmarks/decide_paired.py {' '.join(args.argv)}`", "",
+             f"VGG-11 (28.1 M parameters), batch {args.batch}/rank, 2 ranks x 1 thread on this "
+             f"machine's 2 cores, link {args.rate}; every method in every block, {args.steps} "
+             f"timed steps a turn, {args.blocks} blocks; trials: {args.trials}", "",
+             "| method | s/step, median of blocks | blocks (min-max) |", "|---|---:|---:|"]
+    for m, ts in t.items():
+        lines.append(f"| {m} | {statistics.median(ts):.3f} | {min(ts):.3f}-{max(ts):.3f} |")
+    fastest = min(others, key=lambda o: statistics.median(t[o]))
+    for name, n in res["decide_steps"].items():
+        rounds = res["trials"][name]
+        kept = rounds[-1]["chosen"] if rounds else "nothing (not decided)"
+        per = _ratios(res, name, others)
+        lines += ["", f"**{name}** kept '{kept}' after {n} steps ({len(rounds)} round(s) of "
+                  f"trials by the end). Its step over another method's, block by block:", "",
+                  "| against | median | range |", "|---|---:|---:|"]
+        for o in [fastest, "fastest other"] + [o for o in others if o != fastest]:
+            r = per[o]
+            label = f"{o} (fastest by median)" if o == fastest else o
+            lines.append(f"| {label} | {statistics.median(r):.3f}x | "
+                         f"{min(r):.3f}-{max(r):.3f} |")
+    return lines
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--blocks", type=int, default=8)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per block")
+    p.add_argument("--rate", default="none", help="tc rate of each link ('none': unshaped)")
+    p.add_argument("--deciding", default=",".join(DECIDING))
+    p.add_argument("--others", default=",".join(OTHERS))
+    p.add_argument("--blocks", type=int, default=12)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per turn")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--trials", choices=sorted(TRIALS), default="default",
+                   help="the deciding exchanges' settings (as benchmarks/training.py)")
+    p.add_argument("--out", default="benchmarks/results/decide-paired")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    import cgx.torch as hvd
-    hvd.init()
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
-    _, fixed = _trainer(hvd, hvd.Compression.quantize(bits=4), x, y)
-    deciding, decide = _trainer(hvd, hvd.Compression.auto(**DECIDE), x, y)
-    steps = 0
-    while not deciding.exchange_trials():
-        decide()
-        steps += 1
-    times = {"fixed 4-bit": [], "deciding": []}
-    runs = {"fixed 4-bit": fixed, "deciding": decide}
-    for block in range(args.blocks):
-        for name in list(runs)[::1 if block % 2 == 0 else -1]:
-            runs[name]()  # the switch's step, not timed
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                runs[name]()
-            dist.barrier()
-            times[name].append((time.perf_counter() - t0) / args.steps)
-    if dist.get_rank() == 0:
-        kept = deciding.exchange_trials()[-1]["chosen"]
-        print(f"deciding kept '{kept}' after {steps} steps\n")
-        print("| exchange | s/step per block | median |\n|---|---|---:|")
-        for name, ts in times.items():
-            print(f"| {name} | {' '.join(f'{t:.3f}' for t in ts)} | {statistics.median(ts):.3f} |")
-        ratios = [d / f for f, d in zip(times["fixed 4-bit"], times["deciding"])]
-        print(f"\ndeciding / fixed per block: {' '.join(f'{r:.3f}' for r in ratios)} "
-              f"(median {statistics.median(ratios):.3f})")
-    hvd.shutdown()
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    deciding = [m for m in args.deciding.split(",") if m]
+    others = [m for m in args.others.split(",") if m]
+    if not deciding or not others or args.blocks < 1 or args.steps < 1:
+        p.error("need a deciding method, another method, --blocks >= 1 and --steps >= 1")
+    from benchmarks.netsim import NetnsUnavailable, SlowNetwork
+
+    rate = None if args.rate.lower() == "none" else args.rate
+    kwargs = {"deciding": deciding, "others": others, "blocks": args.blocks,
+              "steps": args.steps, "batch": args.batch, "trials": args.trials}
+    try:
+        with SlowNetwork(n_ranks=2, rate=rate) as net:
+            res = net.run_function("benchmarks.decide_paired:rank_main", kwargs,
+                                   timeout=3600)[0]
+    except NetnsUnavailable as exc:
+        print(f"cannot build the simulated network: {exc}", file=sys.stderr)
+        return 2
+    md = "\n".join(report(res, args))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"rate": args.rate, **kwargs, **res}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
     return 0
 
 

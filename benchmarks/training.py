@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import statistics
@@ -194,46 +195,64 @@ def _cgx_compression(hvd, method: str, trials: str):
     return None
 
 
-def rank_main(method: str, steps: int, warmup: int, batch: int,
-              trials: str = "short") -> dict[str, Any]:
-    """Train ``warmup + steps`` steps with ``method``; return this rank's timings
-    (``trials``: the deciding methods' settings, a key of :data:`TRIALS`)."""
-    if method.startswith("keras"):
-        return keras_rank(method, steps, warmup, batch, trials)
-    import torch
-    import torch.distributed as dist
+@dataclasses.dataclass
+class TorchMethod:
+    """One PyTorch method ready to train: ``step()`` runs one training step; ``opt`` is the
+    optimizer the loop steps (cgx's when the method is cgx's), ``counted`` anything with
+    cgx's ``stats()`` (None: DDP, whose bytes are computed)."""
+
+    method: str
+    model: Any
+    opt: Any
+    step: Any
+    counted: Any = None
+
+    @property
+    def decides(self) -> bool:
+        """Whether the method decides by trials (run it until it kept a plan)."""
+        return self.method.startswith(("cgx-decide", "cgx-planned"))
+
+
+def _ddp(model, method: str):
+    """``model`` under DDP with ``method``'s communication hook (the DDP methods, cgx's hook)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # PyTorch's PowerSGD hook issues its collectives in a different order on
+    # different ranks when several buckets are in flight (Gloo then fails with
+    # "Received data size doesn't match expected size"); one bucket avoids it.
+    ddp = DDP(model, bucket_cap_mb=1024) if method == "ddp-powersgd" else DDP(model)
+    counted = None
+    if method in ("ddp-fp16", "ddp-bf16"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from benchmarks.timetoacc.methods import bf16_gloo_hook
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook
+                               if method == "ddp-fp16" else bf16_gloo_hook)
+    elif method == "ddp-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                 start_powerSGD_iter=2, min_compression_rate=2,
+                                 use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, ps.powerSGD_hook)
+    elif method == "cgx-ddp-hook":
+        import cgx.torch
+        state = cgx.torch.CGXState(ddp)
+        ddp.register_comm_hook(state, cgx.torch.cgx_hook)
+        # the hook's own reducer (and transport) counts
+        counted = types.SimpleNamespace(stats=lambda: state.reducer().snapshot())
+    return ddp, counted
+
+
+def torch_method(method: str, x, y, trials: str = "short") -> TorchMethod:
+    """VGG-11 (seed 0) with ``method``'s exchange and SGD, training on the batch ``x, y``
+    (``trials``: the deciding methods' settings, a key of :data:`TRIALS`)."""
+    import torch
+
     torch.manual_seed(0)
     model = vgg11()
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(batch, 3, 32, 32, generator=g)
-    y = torch.randint(0, 10, (batch,), generator=g)
-    opt_model = model
+    opt_model, counted = model, None
     if method.startswith("ddp") or method == "cgx-ddp-hook":
-        # PyTorch's PowerSGD hook issues its collectives in a different order on
-        # different ranks when several buckets are in flight (Gloo then fails with
-        # "Received data size doesn't match expected size"); one bucket avoids it.
-        opt_model = DDP(model, bucket_cap_mb=1024) if method == "ddp-powersgd" else DDP(model)
-        if method in ("ddp-fp16", "ddp-bf16"):
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            from benchmarks.timetoacc.methods import bf16_gloo_hook
-            opt_model.register_comm_hook(None, default_hooks.fp16_compress_hook
-                                         if method == "ddp-fp16" else bf16_gloo_hook)
-        elif method == "ddp-powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
-            state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=1,
-                                     start_powerSGD_iter=2, min_compression_rate=2,
-                                     use_error_feedback=True, warm_start=True)
-            opt_model.register_comm_hook(state, ps.powerSGD_hook)
-        elif method == "cgx-ddp-hook":
-            import cgx.torch
-            state = cgx.torch.CGXState(opt_model)
-            opt_model.register_comm_hook(state, cgx.torch.cgx_hook)
+        opt_model, counted = _ddp(model, method)
     opt = torch.optim.SGD(opt_model.parameters(), lr=0.01, momentum=0.9)
-    hvd = None
     if method.startswith(("cgx-optimizer", "cgx-planned", "cgx-decide")):
         import cgx.torch as hvd
         hvd.init()
@@ -243,32 +262,49 @@ def rank_main(method: str, steps: int, warmup: int, batch: int,
             opt, named_parameters=model.named_parameters(),
             sufficient_factors=model if method.endswith("-sfb") else None,
             **({"compression": comp} if comp is not None else {}))
+        counted = hvd
+
     def step():
         opt.zero_grad()
         torch.nn.functional.cross_entropy(opt_model(x), y).backward()
         opt.step()
+    return TorchMethod(method, model, opt, step, counted)
 
-    if method == "cgx-ddp-hook":  # the hook's own reducer (and transport) counts
-        hvd = types.SimpleNamespace(stats=lambda: state.reducer().snapshot())
+
+def rank_main(method: str, steps: int, warmup: int, batch: int,
+              trials: str = "short") -> dict[str, Any]:
+    """Train ``warmup + steps`` steps with ``method``; return this rank's timings
+    (``trials``: the deciding methods' settings, a key of :data:`TRIALS`)."""
+    if method.startswith("keras"):
+        return keras_rank(method, steps, warmup, batch, trials)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    m = torch_method(method, x, y, trials)
     # the deciding exchange and the planned mode decide by trials: time what they keep
-    deciding = _until_decided(step, lambda: bool(opt.exchange_trials())) \
-        if method.startswith(("cgx-decide", "cgx-planned")) else None
-    times, wire, link = _timed(step, warmup, steps, hvd)
-    params = sum(p.numel() for p in model.parameters())
+    deciding = _until_decided(m.step, lambda: bool(m.opt.exchange_trials())) \
+        if m.decides else None
+    times, wire, link = _timed(m.step, warmup, steps, m.counted)
+    params = sum(p.numel() for p in m.model.parameters())
     if wire is None:  # ring allreduce of the gradients (DDP) or of their compressed form
         from benchmarks.timetoacc.methods import powersgd_values, ring_bytes
-        values = powersgd_values(model, 1) if method == "ddp-powersgd" else params
+        values = powersgd_values(m.model, 1) if method == "ddp-powersgd" else params
         width = {"compute": 0, "ddp-fp32": 4, "ddp-fp16": 2, "ddp-bf16": 2,
                  "ddp-powersgd": 4}[method]
         wire = ring_bytes(width * values, world)
     out = {"method": method, "times_s": times, "params": params, "wire_bytes": wire,
            "link_bytes": link}
-    plan = opt.exchange_plan() if method.startswith("cgx-planned") else None
+    plan = m.opt.exchange_plan() if method.startswith("cgx-planned") else None
     if plan is not None:  # what the planner saw and decided
         out["plan"] = {"predicted_s": plan.step_s, "backward_s": plan.backward_s,
                        "cpu_s": plan.timeline.cpu_s, "cost": plan.model.to_dict(),
                        "choices": dict(collections.Counter(o.name for o in plan.chosen))}
-    return _deciding(out, opt, deciding) if deciding is not None else out
+    return _deciding(out, m.opt, deciding) if deciding is not None else out
 
 
 def main(argv=None) -> int:
@@ -364,7 +400,7 @@ def _decide_lines(results: list, warmup: int) -> list[str]:
         if not r.get("trials"):
             continue
         keras = name.startswith("keras")
-        others = {m: _step(o) for m, o in ok.items() if "decide" not in m
+        others = {m: _step(o) for m, o in ok.items() if m != name and "decide" not in m
                   and not m.endswith("compute") and m.startswith("keras") == keras}
         t = _step(r)
         rnd = r["trials"][-1]
