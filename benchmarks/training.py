@@ -11,8 +11,8 @@ Methods: ``compute`` (no communication: the floor), DDP fp32, DDP with
 PyTorch's ``fp16_compress_hook``, ``bf16_compress_hook`` (its body: torch's refuses Gloo)
 and ``powerSGD_hook`` (rank 1,
 error feedback, warm start; run with a single DDP bucket, the only way it does not crash on
-Gloo here), cgx's DDP hook and cgx's ``DistributedOptimizer`` (both 4-bit, the
-defaults; ``cgx-optimizer-8bit``: 8 bits), ``cgx-planned`` (``Compression.planned()``: each
+Gloo here), cgx's DDP hook and cgx's ``DistributedOptimizer`` (both fixed 4-bit,
+``Compression.quantize(bits=4)``; ``cgx-optimizer-8bit``: 8 bits), ``cgx-planned`` (``Compression.planned()``: each
 tensor exact or 4-bit, as ``cgx.planner`` predicts is fastest on the measured link) and
 ``cgx-decide`` (``Compression.auto(objective="time")``: the model proposes whole plans,
 trials measure them, the fastest within the error budget is kept; its steps run until the
@@ -20,7 +20,7 @@ decision, then ``--warmup`` and the timed steps follow; what deciding cost, ever
 before the decision beyond the kept plan's step, is reported apart; ``cgx-decide-sfb``:
 the same given the model, so that its linear layers may travel as sufficient factors). The Keras path:
 ``keras-compute`` (no communication), ``keras-cgx`` (cgx's Keras
-``DistributedOptimizer``, 4-bit, in ``train_on_batch``: each bucket starts as its
+``DistributedOptimizer``, fixed 4-bit, in ``train_on_batch``: each bucket starts as its
 gradients exist) and ``keras-cgx-one-call`` (the same, all gradients in one exchange
 after backward), ``keras-cgx-decide`` (the deciding exchange, as ``cgx-decide``) and
 ``keras-cgx-sfb`` (4-bit, the Dense layers' gradients as sufficient
@@ -162,10 +162,9 @@ def keras_rank(method: str, steps: int, warmup: int, batch: int,
     opt = keras.optimizers.SGD(0.01, momentum=0.9)
     if method.startswith("keras-cgx"):
         hvd.init()
-        comp = hvd.Compression.auto(**TRIALS[trials]) if method == "keras-cgx-decide" else None
         opt = hvd.DistributedOptimizer(
             opt, sufficient_factors=model if method == "keras-cgx-sfb" else None,
-            **({"compression": comp} if comp is not None else {}))
+            compression=_cgx_compression(hvd, method, trials))
         if method == "keras-cgx-one-call":  # every gradient in one exchange after backward
             import cgx.tensorflow.gradients as grads
             grads.ready_order_buckets = lambda nbytes, cap: [list(range(len(nbytes)))]
@@ -183,16 +182,17 @@ def keras_rank(method: str, steps: int, warmup: int, batch: int,
 
 
 def _cgx_compression(hvd, method: str, trials: str):
-    """A cgx method's ``compression=`` (None: the optimizer's default, fixed 4-bit).
-    Planned: each tensor exact or 4-bit as cgx.planner predicts is fastest, confirmed by
-    trials (traced 5 steps, then tried: timed once the trials kept a plan)."""
+    """A cgx method's ``compression=``, always explicit (the default is itself the deciding
+    exchange): fixed 4-bit unless the name says otherwise. Planned: each tensor exact or
+    4-bit as cgx.planner predicts is fastest, confirmed by trials (traced 5 steps, then
+    tried: timed once the trials kept a plan)."""
     if method.startswith("cgx-planned"):
         return hvd.Compression.planned()
-    if method.startswith("cgx-decide"):
+    if "decide" in method:
         return hvd.Compression.auto(**TRIALS[trials])
     if method.endswith("-8bit"):
         return hvd.Compression.quantize(bits=8)
-    return None
+    return hvd.Compression.quantize(bits=4)
 
 
 @dataclasses.dataclass
@@ -235,7 +235,7 @@ def _ddp(model, method: str):
         ddp.register_comm_hook(state, ps.powerSGD_hook)
     elif method == "cgx-ddp-hook":
         import cgx.torch
-        state = cgx.torch.CGXState(ddp)
+        state = cgx.torch.CGXState(ddp, compression=_cgx_compression(cgx.torch, method, "short"))
         ddp.register_comm_hook(state, cgx.torch.cgx_hook)
         # the hook's own reducer (and transport) counts
         counted = types.SimpleNamespace(stats=lambda: state.reducer().snapshot())
@@ -257,11 +257,10 @@ def torch_method(method: str, x, y, trials: str = "short") -> TorchMethod:
         import cgx.torch as hvd
         hvd.init()
         # -sfb: the fully connected layers' weight gradients travel as sufficient factors
-        comp = _cgx_compression(hvd, method, trials)
         opt = hvd.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(),
             sufficient_factors=model if method.endswith("-sfb") else None,
-            **({"compression": comp} if comp is not None else {}))
+            compression=_cgx_compression(hvd, method, trials))
         counted = hvd
 
     def step():
@@ -393,7 +392,7 @@ def main(argv=None) -> int:
 def _decide_lines(results: list, warmup: int) -> list[str]:
     """For each deciding method: its step against the fastest other method of its adapter in
     the run, the plan it kept, what deciding cost, and its last round of trials."""
-    from cgx.deciding import PlanRecord, format_trials
+    from cgx.deciding import format_round
     ok = {r["method"]: r for r in results if "times_s" in r}
     out = []
     for name, r in ok.items():
@@ -404,8 +403,6 @@ def _decide_lines(results: list, warmup: int) -> list[str]:
                   and not m.endswith("compute") and m.startswith("keras") == keras}
         t = _step(r)
         rnd = r["trials"][-1]
-        records = [PlanRecord(**p) for p in rnd["plans"]]
-        kept = next(k for k, p in enumerate(records) if p.label == rnd["chosen"])
         # every step before the decision beyond the kept plan's step (the statistics
         # window, the setup, the trials), the first --warmup steps left out as from every
         # method's timing: over a 1000-step run
@@ -426,7 +423,7 @@ def _decide_lines(results: list, warmup: int) -> list[str]:
                 f"of setup: the planner's measurements, the proposals); after the first "
                 f"{warmup}, {cost:.1f} s beyond the kept plan's step: "
                 f"{100 * cost / (1000 * t):.2f}% of a 1000-step run.", "",
-                format_trials(records, kept)]
+                format_round(rnd)]
     return out
 
 

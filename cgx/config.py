@@ -76,6 +76,8 @@ class TorchBackend(enum.Enum):
 class CompressionMode(enum.Enum):
     """What ``compression=Compression.none`` (the default) means (``CGX_COMPRESSION``)."""
 
+    DECIDE = "decide"  # the deciding exchange: Compression.auto(objective="time") with the
+    # CGX_AUTO_* settings; where no whole-model plan can be made, as QUANTIZE
     QUANTIZE = "quantize"  # uniform CGX quantization with the CGX_COMPRESSION_* settings
     AUTO = "auto"  # per-layer levels within an error budget (Compression.auto, cgx.adaptive)
 
@@ -209,7 +211,7 @@ class Config:
     compensation: CompensationChoice = CompensationChoice.AUTO  # CGX_COMPENSATION
     seed: int = 0  # CGX_SEED: stochastic-rounding seed (same on every rank)
     layer_config: Optional[str] = None  # CGX_COMPRESSION_CONFIG: YAML of per-layer rules
-    compression: CompressionMode = CompressionMode.QUANTIZE  # CGX_COMPRESSION: quantize | auto
+    compression: CompressionMode = CompressionMode.DECIDE  # CGX_COMPRESSION: decide | quantize | auto
     auto_alpha: float = 1.0  # CGX_AUTO_ALPHA: auto's error budget, x the uniform default's
     auto_window: int = 10  # CGX_AUTO_WINDOW: steps of statistics per plan
     auto_adjust_every: int = 1000  # CGX_AUTO_ADJUST_EVERY: steps between plans
@@ -386,8 +388,11 @@ ENV_VARS = {
                         "Compression.auto measures it per layer (default auto)",
     "CGX_COMPRESSION_CONFIG": "YAML file of per-layer rules (exclude, bits, bucket size)",
     "CGX_SEED": "seed of stochastic rounding, the same on every rank (default 0)",
-    "CGX_COMPRESSION": "quantize | auto: what Compression.none means; auto picks per-layer "
-                       "levels within an error budget (default quantize)",
+    "CGX_COMPRESSION": "decide | quantize | auto: what Compression.none means for a gradient "
+                       "exchange; decide: trials keep the fastest measured plan within the "
+                       "error budget (Compression.auto(objective='time')); quantize: uniform "
+                       "CGX_COMPRESSION_* quantization; auto: per-layer levels with "
+                       "CGX_AUTO_OBJECTIVE (default decide)",
     "CGX_AUTO_ALPHA": "auto: total error allowed, x the uniform default's (default 1.0)",
     "CGX_AUTO_WINDOW": "auto: steps of gradient statistics per plan (default 10)",
     "CGX_AUTO_ADJUST_EVERY": "auto: steps between plans (default 1000)",

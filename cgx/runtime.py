@@ -306,6 +306,11 @@ def config() -> Config:
     return _get("config").config
 
 
+def config_in_use() -> Config:
+    """:func:`config` once the job has started, the environment's before."""
+    return config() if is_initialized() else Config.from_env()
+
+
 def transport() -> "Transport":
     """The transport over all ranks."""
     return _get("transport").transport

@@ -3,8 +3,9 @@
 Run it with ``make demo`` (or ``cgxrun -np 2 python examples/demo.py``). Every
 rank trains an MLP on its half of scikit-learn's handwritten digits (shipped
 with scikit-learn, nothing is downloaded); gradients are averaged with
-``cgx.torch.DistributedOptimizer`` in four ways, and rank 0 prints what each
-cost and what it reached.
+``cgx.torch.DistributedOptimizer`` in five ways, and rank 0 prints what each
+cost and what it reached, and which plan the default (the deciding exchange) kept
+after timing its candidates.
 """
 
 import dataclasses
@@ -13,6 +14,7 @@ import time
 import torch
 from sklearn.datasets import load_digits
 from cgx.console import progress
+from cgx.deciding import format_round
 
 import cgx.torch as hvd
 
@@ -29,7 +31,8 @@ class Config:
 RUNS = [  # (label, compression)
     ("fp32 (uncompressed)", hvd.Compression.exact),
     ("fp16 cast (Horovod)", hvd.Compression.fp16),
-    ("cgx 4-bit (default)", hvd.Compression.quantize(bits=4)),
+    ("cgx deciding (default)", hvd.Compression.none),
+    ("cgx 4-bit", hvd.Compression.quantize(bits=4)),
     ("cgx 2-bit + error feedback", hvd.Compression.quantize(bits=2, error_feedback=True)),
 ]
 
@@ -58,6 +61,9 @@ def train(cfg: Config, compression, label: str):
     x, y, test_x, test_y = data(cfg)
     before = dataclasses.replace(hvd.stats())  # totals so far (copy)
     steps, step_time = 0, 0.0
+    # The default decides by trials (its first steps measure and try plans): its row shows
+    # the plan it kept, and what measuring and trying cost is printed below the table.
+    decided = None  # (steps, seconds) when it kept a plan
     # A progress bar on rank 0, only when a person watches a terminal.
     epochs = progress(range(cfg.epochs), desc=f"{label:28s}", leave=False)
     g = torch.Generator().manual_seed(cfg.seed + hvd.rank())
@@ -72,17 +78,27 @@ def train(cfg: Config, compression, label: str):
             opt.step()  # waits for the (compressed) gradient exchange
             step_time += time.perf_counter() - t0
             steps += 1
+            if decided is None and opt.exchange_trials():
+                decided = (steps, step_time)
     after = hvd.stats()
     with torch.no_grad():
         acc = (model(test_x).argmax(1) == test_y).float().mean().item()
     # Bytes this rank handed to cgx's transport, counted there: the gradients as they
     # travel (compressed codes, padding) and the optimizer's small per-step status exchange.
     wire = (after.wire_bytes - before.wire_bytes) / steps
+    extra_mb = 0.0
+    if decided is not None:  # the kept plan's bytes; the rest was measuring and trying
+        kept = next(p for p in opt.exchange_trials()[-1]["plans"]
+                    if p["label"] == opt.exchange_trials()[-1]["chosen"])
+        extra_mb = (wire - kept["bytes"]) * steps / 1e6
+        wire = kept["bytes"]
+        steps, step_time = steps - decided[0], step_time - decided[1]
     # Every rank ends with identical weights: check it, it is cheap here.
     flat = torch.cat([p.detach().view(-1) for p in model.parameters()])
     same = bool(hvd.allreduce(flat, op=hvd.Max).equal(hvd.allreduce(flat, op=hvd.Min)))
     return {"label": label, "bytes": wire, "step_ms": 1e3 * step_time / steps, "acc": acc,
-            "loss": loss.item(), "identical": same}
+            "loss": loss.item(), "identical": same, "trials": opt.exchange_trials(),
+            "decided_at": decided and decided[0], "extra_mb": extra_mb}
 
 
 def main():
@@ -100,6 +116,12 @@ def main():
             print(f"| {r['label']:28s} | {r['bytes'] / 1e3:16.1f} kB | {base / r['bytes']:4.1f}x | "
                   f"{r['step_ms']:6.1f} ms | {100 * r['acc']:12.1f}% | "
                   f"{'yes' if r['identical'] else 'NO':15s} |")
+        for r in results:
+            if r["trials"]:  # the default: the plans its trials timed, the one it kept
+                print(f"\n{r['label']}: bytes of the plan it kept, step time after its "
+                      f"decision at step {r['decided_at']};\nmeasuring the layers' errors, "
+                      f"the link and the plans (and re-checking) sent {r['extra_mb']:.1f} MB "
+                      "more over the run. The plans it timed:\n" + format_round(r["trials"][-1]))
         print("\nbytes: what this rank handed to the transport per step, counted there (TCP/IP "
               "headers not included);\nthe ratio is against fp32.")
         print("Here the ranks share one machine, so the link is not the bottleneck and step "

@@ -8,9 +8,10 @@ Launch with any launcher:
     mpirun -np 2 python examples/keras_digits.py
     horovodrun -np 2 python examples/keras_digits.py
 
-Gradients travel 4-bit quantized by default (layers of at least 1024 values;
-biases exact); change that with the CGX_* variables (e.g.
-CGX_COMPRESSION_QUANTIZATION_BITS=8) or --compression.
+By default cgx decides how gradients travel (the deciding exchange: trials keep the
+fastest measured plan within 4-bit's error budget); change that with the CGX_*
+variables (e.g. CGX_COMPRESSION=quantize for fixed 4-bit: layers of at least 1024
+values, biases exact) or --compression.
 """
 
 import argparse

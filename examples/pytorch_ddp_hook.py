@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/pytorch_ddp_hook.py
     cgxrun -np 2 python examples/pytorch_ddp_hook.py
 
-Settings come from the CGX_* variables (4 bits, bucket 1024 by default).
+Settings come from the CGX_* variables (by default the deciding exchange, within the
+error budget of 4 bits, bucket 1024; CGX_COMPRESSION=quantize: fixed 4-bit).
 """
 
 import dataclasses

@@ -8,8 +8,10 @@ any launcher:
     mpirun -np 2 python examples/pytorch_horovod_style.py
     horovodrun -np 2 python examples/pytorch_horovod_style.py
 
-Gradients travel 4-bit quantized by default; change that with the CGX_*
-variables (e.g. CGX_COMPRESSION_QUANTIZATION_BITS=8) or --compression.
+By default cgx decides how gradients travel (the deciding exchange: trials keep the
+fastest measured plan within 4-bit's error budget); change that with the CGX_*
+variables (e.g. CGX_COMPRESSION=quantize for fixed 4-bit, with
+CGX_COMPRESSION_QUANTIZATION_BITS=8 for 8-bit) or --compression.
 """
 
 import argparse

@@ -14,7 +14,7 @@ def test_defaults():
     assert (cfg.bits, cfg.bucket_size, cfg.minimal_size) == (4, 1024, 1024)
     assert cfg.rounding is Rounding.STOCHASTIC and cfg.skip_1d and not cfg.error_feedback
     assert cfg.compensation is CompensationChoice.AUTO and cfg.seed == 0
-    assert cfg.layer_config is None and cfg.compression is CompressionMode.QUANTIZE
+    assert cfg.layer_config is None and cfg.compression is CompressionMode.DECIDE
     assert (cfg.auto_alpha, cfg.auto_window, cfg.auto_adjust_every) == (1.0, 10, 1000)
     assert cfg.auto_objective is AutoObjective.BYTES
     assert cfg.fusion_buffer_mb == 64.0 and cfg.fusion_buffer_bytes == 64 << 20

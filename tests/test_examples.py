@@ -33,18 +33,31 @@ def _accuracy(out: str) -> float:
 
 
 def test_demo():
-    """`make demo`'s table, as README shows it: four exchanges, fewer bytes down the
-    table (fp16 half of fp32, 4-bit and 2-bit several times less), every one learning,
-    the ranks' parameters identical after each."""
+    """`make demo`'s table, as README shows it: five exchanges, the fixed ones with fewer
+    bytes down the table (fp16 half of fp32, 4-bit and 2-bit several times less), the
+    default (the deciding exchange) sending what the plan it kept sends, its plan table
+    printed, every one learning, the ranks' parameters identical after each."""
     out = _run(EX / "demo.py")
-    rows = re.findall(r"^(?:\[0\]<stdout>:)?\| (fp32 \(uncompressed\)|fp16 cast \(Horovod\)|cgx 4-bit \(default\)|"
+    rows = re.findall(r"^(?:\[0\]<stdout>:)?\| (fp32 \(uncompressed\)|fp16 cast \(Horovod\)|"
+                      r"cgx deciding \(default\)|cgx 4-bit|"
                       r"cgx 2-bit \+ error feedback) +\| +([\d.]+) kB \| +([\d.]+)x \| +[\d.]+ ms "
                       r"\| +([\d.]+)% \| (\w+) +\|$", out, flags=re.M)
     assert [r[0] for r in rows] == ["fp32 (uncompressed)", "fp16 cast (Horovod)",
-                                    "cgx 4-bit (default)", "cgx 2-bit + error feedback"], out
-    kb, ratio = [float(r[1]) for r in rows], [float(r[2]) for r in rows]
+                                    "cgx deciding (default)", "cgx 4-bit",
+                                    "cgx 2-bit + error feedback"], out
+    fixed = [r for r in rows if r[0] != "cgx deciding (default)"]
+    kb, ratio = [float(r[1]) for r in fixed], [float(r[2]) for r in fixed]
     assert kb == sorted(kb, reverse=True) and ratio[0] == 1.0, out
     assert ratio[1] == pytest.approx(2.0, abs=0.05) and ratio[2] > 6 and ratio[3] > 12, out
+    # the default's row: the plan it kept (one of the baselines' sizes on this model, its
+    # table printed), and what measuring and trying cost beside it
+    kept = re.search(r"^(?:\[0\]<stdout>:)?\| (.+?) \(kept\) \| [\d.]+ ms \| [\d.]+ ms \| "
+                     r"([\d,]+) \|", out, flags=re.M)
+    assert kept, out
+    assert float(rows[2][1]) * 1e3 == pytest.approx(int(kept.group(2).replace(",", "")),
+                                                    abs=100), out
+    extra = re.search(r"sent ([\d.]+) MB\s+more over the run", out)
+    assert extra and float(extra.group(1)) > 0, out
     assert all(float(r[3]) > 85 for r in rows), out  # 10 classes: chance is 10%
     assert all(r[4] == "yes" for r in rows), out
 

@@ -415,7 +415,8 @@ def test_single_rank_is_identity_and_plan_modes(hvd):
         ("none", hvd.Compression.none), ("exact", hvd.Compression.exact),
         ("fp16", hvd.Compression.fp16), ("q8", hvd.Compression.quantize(bits=8)),
         ("topk", hvd.Compression.topk(0.1)))}
-    assert modes == {"none": "quantize", "exact": "exact", "fp16": "summable", "q8": "quantize",
+    # the default (Compression.none) is the deciding exchange: a plan of the whole model
+    assert modes == {"none": "auto", "exact": "exact", "fp16": "summable", "q8": "quantize",
                      "topk": "per_tensor"}
     plan = GradientPlan(["big", "bias", "small"], [(64, 64), (64,), (8, 8)])
     assert [s and s.bits for s in plan.specs] == [4, None, None]

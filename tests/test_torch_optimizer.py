@@ -24,9 +24,12 @@ def _batch(rank, step, n=16):
 
 
 def _init(cfg_kwargs):
+    """cgx with ``Config(**cfg_kwargs)``; ``Compression.none`` is the fixed quantization of
+    those settings (``CGX_COMPRESSION=quantize``), which these tests are about (the
+    default, the deciding exchange: tests/deciding/test_default.py)."""
     import cgx.torch as hvd
-    from cgx.config import Config
-    hvd.init(Config(**cfg_kwargs))
+    from cgx.config import CompressionMode, Config
+    hvd.init(Config(**{"compression": CompressionMode.QUANTIZE, **cfg_kwargs}))
     return hvd
 
 
@@ -296,8 +299,9 @@ def test_optimizer_features():
 
 def _rules_and_modes(rank, world, rules_path):
     import cgx.torch as hvd
-    from cgx.config import Config
-    hvd.init(Config(bits=2, minimal_size=0, layer_config=rules_path))
+    from cgx.config import CompressionMode, Config
+    hvd.init(Config(bits=2, minimal_size=0, layer_config=rules_path,
+                    compression=CompressionMode.QUANTIZE))
     model = _model()
     specs = {}
     for comp in (hvd.Compression.none, hvd.Compression.exact, hvd.Compression.fp16, hvd.Compression.bf16,

@@ -38,9 +38,11 @@ def test_trials_option_picks_the_deciding_methods_settings():
     assert _cgx_compression(hvd, "cgx-decide-sfb", "default") == "auto"
     assert _cgx_compression(hvd, "cgx-decide", "short") == "auto"
     assert _cgx_compression(hvd, "cgx-optimizer-8bit", "default") == "quantize"
-    assert _cgx_compression(hvd, "cgx-optimizer-sfb", "default") is None  # fixed 4-bit
+    assert _cgx_compression(hvd, "cgx-optimizer-sfb", "default") == "quantize"  # fixed 4-bit
+    assert _cgx_compression(hvd, "keras-cgx-decide", "default") == "auto"
     assert made == [("auto", {"objective": "time"}), ("auto", DECIDE),
-                    ("quantize", {"bits": 8})]
+                    ("quantize", {"bits": 8}), ("quantize", {"bits": 4}),
+                    ("auto", {"objective": "time"})]
 
 
 def _trials(chosen):

@@ -25,7 +25,7 @@ from typing import Optional
 
 from cgx.compression.base import (Compressor, CompressorKind, HorovodCompressor, as_compressor,
                                   stable_tensor_id)
-from cgx.compression.auto import AutoCompression
+from cgx.compression.auto import AutoCompression, default_policy
 from cgx.compression.planned import PlannedCompression
 from cgx.compression.policy import Policy, is_policy_name
 from cgx.compression.casts import (BF16Compressor, ExactCompressor, FP16Compressor,
@@ -34,7 +34,7 @@ from cgx.compression.error_feedback import ErrorFeedback
 from cgx.compression.powersgd import PowerSGDCompressor
 from cgx.compression.quantize import QuantizeCompressor
 from cgx.compression.topk import TopKCompressor
-from cgx.config import Rounding
+from cgx.config import CompressionMode, Rounding
 
 
 def _with_warmup(comp: Compressor, warmup_steps: int) -> Compressor:
@@ -164,10 +164,32 @@ def resolve(compression) -> "Compressor | Policy":
     return as_compressor(compression)
 
 
+def is_default(comp) -> bool:
+    """Whether ``comp`` (resolved) is ``Compression.none``, the default ``compression=``
+    whose meaning ``CGX_COMPRESSION`` sets (not ``Compression.exact``, which is exact
+    whatever it says)."""
+    return isinstance(comp, Compressor) and comp.kind is CompressorKind.NONE and \
+        not isinstance(comp, ExactCompressor)
+
+
+def fixed(compression, cfg) -> "Compressor | Policy":
+    """``compression`` for an exchange that cannot plan the whole model (one layer at a
+    time: Keras's sufficient-factor fallback; DiLoCo's warm-up, too short for trials): the
+    default under ``CGX_COMPRESSION=decide`` becomes the uniform quantization of the
+    ``CGX_COMPRESSION_*`` settings (exact when they turn it off); anything else as given."""
+    if not (is_default(resolve(compression)) and cfg.compression is CompressionMode.DECIDE):
+        return compression
+    if not cfg.quantization_enabled:
+        return Compression.exact
+    return Compression.quantize(bits=cfg.bits, bucket_size=cfg.bucket_size,
+                                rounding=cfg.rounding, error_feedback=cfg.error_feedback,
+                                seed=cfg.seed)
+
+
 __all__ = [
     "Compression", "Compressor", "CompressorKind", "HorovodCompressor", "as_compressor",
     "resolve", "Policy",
     "stable_tensor_id", "NoneCompressor", "ExactCompressor", "FP16Compressor", "BF16Compressor",
     "QuantizeCompressor", "TopKCompressor", "PowerSGDCompressor", "ErrorFeedback",
-    "AutoCompression", "PlannedCompression",
+    "AutoCompression", "PlannedCompression", "default_policy", "fixed", "is_default",
 ]

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from cgx.compression.policy import Policy
 from cgx.compression.trials import TrialSettings
-from cgx.config import AutoObjective, Rounding
+from cgx.config import AutoObjective, CompressionMode, Config, Rounding
 
 FAMILIES = ("quantize", "topk", "powersgd")  # families cgx.adaptive chooses from by default
 CASTS = ("fp16", "bf16")  # 16-bit casts: offered too, by default with objective="time"
@@ -196,3 +196,19 @@ class AutoCompression(Policy):
                 f"error_feedback={self.error_feedback}, planner={self.planner}, "
                 f"assume_gbit={self.assume_gbit}, objective={self.objective.value!r}, "
                 f"trials={self.trials}, model_plans={self.model_plans})")
+
+
+def default_policy(cfg: Config) -> Optional[AutoCompression]:
+    """What ``Compression.none`` (the default ``compression=``) stands for in a gradient
+    exchange under ``cfg.compression`` (``CGX_COMPRESSION``): the deciding exchange
+    (``decide``, the default), auto with ``CGX_AUTO_OBJECTIVE`` (``auto``), each with the
+    ``CGX_AUTO_*`` settings; None for ``quantize`` (the uniform CGX_COMPRESSION_* level), and
+    for ``decide`` when ``CGX_COMPRESSION_QUANTIZATION_BITS=32`` turns compression off (the
+    budget, the uniform level's error, is then zero: only exact could be kept)."""
+    if cfg.compression is CompressionMode.QUANTIZE or (
+            cfg.compression is CompressionMode.DECIDE and not cfg.quantization_enabled):
+        return None
+    objective = AutoObjective.TIME if cfg.compression is CompressionMode.DECIDE \
+        else cfg.auto_objective
+    return AutoCompression(alpha=cfg.auto_alpha, window=cfg.auto_window,
+                           adjust_every=cfg.auto_adjust_every, objective=objective)

@@ -421,3 +421,10 @@ def format_trials(records: Sequence[PlanRecord], chosen: Optional[int]) -> str:
                      f"{r.bytes:,} | {r.error:.4g} | {'yes' if r.eligible else 'no'} | "
                      f"{r.samples} |")
     return "\n".join(lines)
+
+
+def format_round(rnd: dict) -> str:
+    """:func:`format_trials` of one round as ``exchange_trials()`` lists it (a dict)."""
+    records = [PlanRecord(**p) for p in rnd["plans"]]
+    kept = next((k for k, r in enumerate(records) if r.label == rnd["chosen"]), None)
+    return format_trials(records, kept)

@@ -81,7 +81,9 @@ class DiLoCoConfig:
         warmup_steps: steps of ordinary synchronous data parallel (gradients averaged
             every step through ``warmup_compression``) before the local steps begin.
         warmup_compression: the ``compression=`` of those steps (``Compression.none``: the
-            ``CGX_*`` settings, as ``DistributedOptimizer``).
+            ``CGX_*`` settings, as ``DistributedOptimizer``, but never the deciding
+            exchange: a warm-up is too short for its trials; under the default
+            ``CGX_COMPRESSION=decide`` the uniform ``CGX_COMPRESSION_*`` quantization).
         mix: weight of the rank's own parameters when a delayed fragment lands
             (Streaming DiLoCo's alpha): 0 replaces them by the synced ones (every rank
             then holds the same values); > 0 keeps part of the steps taken meanwhile.

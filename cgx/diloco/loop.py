@@ -23,10 +23,10 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from cgx import ops, session
+from cgx import ops, runtime, session
 from cgx.collectives import joining
 from cgx.comm.consistency import signature, tensor_fields
-from cgx.compression import Compression
+from cgx.compression import Compression, fixed
 from cgx.diloco.config import DiLoCoConfig
 from cgx.diloco.schedule import FragmentSchedule
 from cgx.errors import CollectiveMismatchError
@@ -96,7 +96,8 @@ class OuterLoop:
         self.numels = [math.prod(s) for s in shapes]
         self.plan = GradientPlan(names, shapes, config.outer_compression(), group=group)
         self.warmup_plan = GradientPlan(
-            names, shapes, config.warmup_compression or Compression.none, group=group) \
+            names, shapes, fixed(config.warmup_compression or Compression.none,
+                                 runtime.config_in_use()), group=group) \
             if config.warmup_steps else None
         self.state = LoopState(sync_every=None if config.auto else int(config.sync_every))
         self._inflight: dict = {}  # fragment -> (handle, lands at, indices)

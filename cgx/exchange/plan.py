@@ -43,10 +43,11 @@ import torch
 from cgx import runtime, session
 from cgx.adaptive.compensation import UpdateRule, compensation_for, error_feedback_for
 from cgx.comm.base import ReduceOp
-from cgx.compression import (AutoCompression, Compression, Compressor, CompressorKind,
-                             ErrorFeedback, ExactCompressor, QuantizeCompressor, resolve)
+from cgx.compression import (AutoCompression, Compression, CompressorKind,
+                             ErrorFeedback, ExactCompressor, QuantizeCompressor,
+                             default_policy, is_default, resolve)
 from cgx.compression.planned import PlannedCompression
-from cgx.config import AutoObjective, CompressionMode, Config
+from cgx.config import AutoObjective, Config
 from cgx.exchange.auto import Auto
 from cgx.exchange.modes import Call, Fused, GradMode, Mode, PerTensor, Planned, Settings, Summable
 from cgx.exchange.residuals import ResidualStore
@@ -57,12 +58,9 @@ STATE_FORMAT = 1
 
 def choose_mode(comp, cfg: Config, update_rule: UpdateRule):
     """``(compressor, mode, base config, error feedback)`` for a ``compression=`` argument:
-    ``Compression.none`` follows ``CGX_*`` (also ``CGX_COMPRESSION=auto``)."""
-    if isinstance(comp, Compressor) and comp.kind is CompressorKind.NONE and \
-            cfg.compression is CompressionMode.AUTO:
-        comp = AutoCompression(alpha=cfg.auto_alpha, window=cfg.auto_window,
-                               adjust_every=cfg.auto_adjust_every,
-                               objective=cfg.auto_objective)
+    ``Compression.none`` follows ``CGX_COMPRESSION`` (:func:`cgx.compression.default_policy`)."""
+    if is_default(comp):
+        comp = default_policy(cfg) or comp
     if isinstance(comp, AutoCompression):
         if comp.objective is AutoObjective.TIME and comp.error_feedback is None:
             # the deciding exchange: residuals as the fixed default keeps them (the error

@@ -372,8 +372,9 @@ class DistributedGradientTape:
     Args:
         gradtape: a ``tf.GradientTape`` (recorded, or used as a context manager
             through this wrapper).
-        compression: ``Compression.none`` (default: the environment decides,
-            4-bit quantization per variable with ``CGX_*`` defaults),
+        compression: ``Compression.none`` (default: ``CGX_COMPRESSION`` decides; unset,
+            the deciding exchange; ``quantize``: 4-bit per variable with ``CGX_*``
+            defaults),
             ``Compression.exact``, ``fp16``, ``bf16``, ``quantize(...)``,
             ``topk(...)``, ``powersgd(...)``, or a Horovod-style TF compressor.
         sparse_as_dense: False (Horovod's default): ``tf.IndexedSlices`` gradients

@@ -19,14 +19,14 @@ import torch.distributed as dist
 
 from cgx.adaptive.compensation import UpdateRule, update_rule_of
 from cgx.comm.consistency import agree, signature
-from cgx.compression import AutoCompression, Compression, resolve
+from cgx.compression import AutoCompression, Compression, default_policy, is_default, resolve
 from cgx.exchange import ExchangeOptions, GradientPlan
 from cgx.torch.plan_views import PlanViews
 from cgx.exchange.step import StepRecorder
 from cgx.torch.bucket_exchange import copy_back
 from cgx.collectives import Reducer
 from cgx.comm.torch_dist import TorchTransport
-from cgx.config import CompressionMode, Config
+from cgx.config import Config
 
 STATE_FORMAT = 2  # 1: residuals beside the plan (still read)
 
@@ -71,14 +71,15 @@ class CGXState(PlanViews):
         self.config = config or Config.from_env()
         self.process_group = process_group
         given = None if compression is None else resolve(compression)
-        self.auto = isinstance(given, AutoCompression) or (
-            given is None and self.config.compression is CompressionMode.AUTO)
+        if given is None or is_default(given):
+            given = default_policy(self.config)  # None: the uniform CGX_COMPRESSION_* level
+        self.auto = isinstance(given, AutoCompression)
         module = model.module if hasattr(model, "module") else model
         named = list(module.named_parameters())
         # One GradientPlan over all parameters: the specs, the residuals, auto's levels.
         self.plan = GradientPlan(
             [n for n, _ in named], [tuple(p.shape) for _, p in named],
-            _auto_settings(given, self.config, error_feedback) if self.auto
+            _auto_settings(given, error_feedback) if self.auto
             else given if given is not None else Compression.none,
             rules=rules, update_rule=UpdateRule.UNKNOWN if optimizer is None
             else update_rule_of(optimizer),
@@ -132,14 +133,10 @@ class CGXState(PlanViews):
         self.__dict__.update(state)
 
 
-def _auto_settings(compression, config: Config, error_feedback: Optional[bool]):
-    """The ``Compression.auto`` settings the hook plans with: ``compression`` (a copy when
-    ``error_feedback`` overrides it: the caller's object is never changed), or those of
-    ``CGX_AUTO_*`` when ``CGX_COMPRESSION=auto`` and ``compression`` is None."""
+def _auto_settings(comp, error_feedback: Optional[bool]):
+    """The ``Compression.auto`` settings the hook plans with: ``comp`` (a copy when
+    ``error_feedback`` overrides it: the caller's object is never changed)."""
     import copy
-    comp = compression if compression is not None else AutoCompression(
-        alpha=config.auto_alpha, window=config.auto_window,
-        adjust_every=config.auto_adjust_every)
     if error_feedback is not None:
         comp = copy.copy(comp)
         comp.error_feedback = bool(error_feedback)

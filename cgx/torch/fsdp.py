@@ -30,7 +30,9 @@ What travels (per parameter group, each backward):
                                                 others own, one all-to-all, owners sum;
                                                 ``error_feedback=True``: residuals of this
                                                 rank's input, kept in the returned state
-``Compression.none``                            as the ``CGX_*`` variables say (4 bits)
+``Compression.none``                            the ``CGX_COMPRESSION_*`` quantization (4 bits);
+                                                ``CGX_COMPRESSION``'s deciding exchange
+                                                plans replicated gradients, not this
 ``"auto"`` / ``Compression.auto(...)``          a level per parameter group: auto's knapsack
                                                 (fewest bytes with the summed error within
                                                 ``alpha`` x the uniform default's) over the

@@ -16,11 +16,12 @@ How a step runs:
 Buckets are launched strictly in index order, so every rank issues the same
 collectives in the same order, also when a parameter is unused on one rank.
 
-Compression: ``compression=Compression.none`` (Horovod's default) means *the
-environment decides*: max-min quantization with ``CGX_COMPRESSION_*``
+Compression: ``compression=Compression.none`` (Horovod's default) means what
+``CGX_COMPRESSION`` says: by default the deciding exchange (trials keep the fastest
+measured plan within the error budget of 4-bit: :mod:`cgx.deciding`); with
+``CGX_COMPRESSION=quantize``, max-min quantization with ``CGX_COMPRESSION_*``
 settings (4 bits, bucket 1024 by default; ``CGX_COMPRESSION_QUANTIZATION_BITS=32``
-turns it off), with per-layer rules from ``rules=`` or
-``CGX_COMPRESSION_CONFIG``. ``Compression.exact`` sends them uncompressed. Other compressors (``fp16``, ``bf16``,
+turns it off); per-layer rules from ``rules=`` or ``CGX_COMPRESSION_CONFIG``. ``Compression.exact`` sends them uncompressed. Other compressors (``fp16``, ``bf16``,
 ``Compression.quantize(...)``, ``topk``, ``powersgd``) are used as given.
 """
 

@@ -23,13 +23,14 @@ from keras.src.utils import tracking  # LossScaleOptimizer's tool: build() adds 
 
 from cgx.adaptive.compensation import update_rule_of
 from cgx.comm.base import ReduceOp
-from cgx.compression import Compression
+from cgx.compression import Compression, fixed
 from cgx.exchange import ExchangeOptions, check_wrapped_once
 from cgx.tensorflow.gradients import GradientExchange, cgx_compression, variable_groups
 from cgx.tensorflow.keras._serialization import compression_from_config, compression_to_config
 from cgx.ops import Average
 from cgx.tensorflow.ops import resolve_process_set
 from cgx.process_sets import global_process_set
+from cgx.runtime import config_in_use
 from cgx.tensorflow.ops import tf_side_compressor
 from cgx.tensorflow.keras.wrapped import DelegatesToInner
 
@@ -44,9 +45,10 @@ class DistributedOptimizer(DelegatesToInner, keras.optimizers.Optimizer):
         optimizer: a Keras 3 optimizer (reachable as ``.inner_optimizer``;
             its hyperparameters are read through this wrapper too).
         name: default ``"Distributed" + the wrapped class name``.
-        compression: ``Compression.none`` (default: the environment decides,
-            4-bit quantization per variable with ``CGX_*`` defaults and layer
-            rules on variable paths such as ``"sequential/dense/kernel"``),
+        compression: ``Compression.none`` (default: ``CGX_COMPRESSION`` decides; unset,
+            the deciding exchange; ``quantize``: 4-bit per variable with ``CGX_*``
+            defaults; layer rules on variable paths such as
+            ``"sequential/dense/kernel"``),
             ``Compression.exact``, ``fp16``, ``bf16``, ``quantize(...)``,
             ``topk(...)``, ``powersgd(...)``, or a Horovod-style TF compressor.
         sparse_as_dense: False (Horovod's default): ``tf.IndexedSlices`` gradients stay
@@ -71,7 +73,9 @@ class DistributedOptimizer(DelegatesToInner, keras.optimizers.Optimizer):
             Each layer's product gets a custom gradient that all-gathers every rank's
             inputs and output gradients during backward and rebuilds the exact averaged
             kernel and bias gradients; otherwise it reduces the layer with
-            ``compression`` (a fixed one: not ``"auto"`` or ``planned()``). A kernel
+            ``compression`` (a fixed one: not ``"auto"`` or ``planned()``; the default
+            under ``CGX_COMPRESSION=decide`` is then the uniform ``CGX_COMPRESSION_*``
+            quantization, for these layers and the optimizer's other ones). A kernel
             also used outside its layer (tied, read by another layer or loss term) is
             reduced as usual, decided alike on every rank. See
             ``cgx.tensorflow.keras.sufficient_factors``.
@@ -140,6 +144,8 @@ class DistributedOptimizer(DelegatesToInner, keras.optimizers.Optimizer):
         self._local_vars: set = set()  # ids of variables registered as rank-local
         # Ids only: Keras would track variables held in lists assigned to it.
         self._num_groups, self._group_ids = variable_groups(num_groups, groups)
+        if sufficient_factors is not None:  # one layer at a time: no whole-model plan
+            compression = fixed(compression, config_in_use())
         self._exchange = self._new_exchange(compression, update_rule_of(optimizer))
         self._factors = None
         if sufficient_factors is not None:
@@ -262,9 +268,10 @@ class DistributedOptimizer(DelegatesToInner, keras.optimizers.Optimizer):
         """Use ``compression`` from the next step on (e.g. after loading a saved model)."""
         compression = cgx_compression(compression)
         tf_side_compressor(compression)
-        if self._factors is not None:
-            self._factors.set_compression(compression)
         self._compression = compression
+        if self._factors is not None:
+            compression = fixed(compression, config_in_use())
+            self._factors.set_compression(compression)
         self._exchange = self._new_exchange(compression, update_rule_of(self.inner_optimizer))
 
     def _new_exchange(self, compression, update_rule) -> GradientExchange:

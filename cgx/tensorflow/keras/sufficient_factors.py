@@ -454,5 +454,5 @@ def check_compression(compression) -> None:
         raise ValueError("sufficient_factors= on the Keras optimizer takes a fixed "
                          "compression (quantize, fp16, exact, ...), not a per-model plan "
                          "(auto, planned): the plain fallback reduces one layer at a time. "
-                         "Pass e.g. Compression.quantize(bits=4), or leave CGX_COMPRESSION "
-                         "at quantize")
+                         "Pass e.g. Compression.quantize(bits=4), or set CGX_COMPRESSION "
+                         "to decide (the default: fixed quantization here) or quantize")
