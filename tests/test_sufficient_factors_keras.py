@@ -314,6 +314,20 @@ def test_sufficient_factors_need_a_model_and_a_fixed_compression():
                                      compression=policy)
 
 
+def test_exact_goes_with_factors_under_cgx_compression_auto(monkeypatch):
+    """Under CGX_COMPRESSION=auto the default is a per-model plan (refused beside factors),
+    Compression.exact is not (it shares the default's compressor kind)."""
+    import cgx.tensorflow.keras as hvd
+    from cgx import runtime
+    from cgx.config import CompressionMode, Config
+    from cgx.tensorflow.keras.sufficient_factors import check_compression
+    monkeypatch.setattr(runtime, "is_initialized", lambda: True)
+    monkeypatch.setattr(runtime, "config", lambda: Config(compression=CompressionMode.AUTO))
+    check_compression(hvd.Compression.exact)
+    with pytest.raises(ValueError, match="fixed"):
+        check_compression(hvd.Compression.none)
+
+
 def test_which_dense_layers_are_routed():
     """Plain Dense layers only: not a subclass, not one with LoRA, not one whose weights
     carry a regularizer (its loss term adds to the kernel's gradient)."""

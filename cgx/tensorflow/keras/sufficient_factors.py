@@ -440,7 +440,7 @@ def check_compression(compression) -> None:
     """The plain fallback reduces one layer at a time with a fixed compression: the
     per-layer planners (``"auto"``, ``planned()``) plan the whole model and cannot."""
     from cgx import runtime
-    from cgx.compression import AutoCompression, CompressorKind, resolve
+    from cgx.compression import AutoCompression, is_default, resolve
     from cgx.compression.planned import PlannedCompression
     from cgx.config import CompressionMode
     from cgx.tensorflow.ops import tf_side_compressor
@@ -449,7 +449,7 @@ def check_compression(compression) -> None:
                          "not with a TensorFlow-side compressor object")
     comp = resolve(compression)
     if isinstance(comp, (AutoCompression, PlannedCompression)) or (
-            comp.kind is CompressorKind.NONE and runtime.is_initialized()
+            is_default(comp) and runtime.is_initialized()
             and runtime.config().compression is CompressionMode.AUTO):
         raise ValueError("sufficient_factors= on the Keras optimizer takes a fixed "
                          "compression (quantize, fp16, exact, ...), not a per-model plan "
