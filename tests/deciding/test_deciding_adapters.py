@@ -13,10 +13,11 @@ pytestmark = pytest.mark.multiproc
 
 
 def _keras(rank, world, mode="auto"):
-    """Three epochs of model.fit with the deciding exchange (``mode="auto"``: plan at step 2,
-    warm-up 3, then 3-5 plans x 2 steps, a runoff of at most as many) or the planned mode's
-    trials (``"planned"``: planned at step 2, warm-up 1, then 2 or 3 plans x 2 steps, a
-    runoff of at most as many)."""
+    """Six epochs of model.fit with the deciding exchange (``mode="auto"``: plan at step 2,
+    warm-up 3, then 3-5 plans x 2 steps, up to 3 runoff passes of at most as many: 45 steps
+    at most; 60 run) or the planned mode's
+    trials (``"planned"``: planned at step 2, warm-up 1, then 2 or 3 plans x 2 steps, up
+    to 3 runoff passes of at most as many)."""
     import numpy as np
     import keras
     import cgx.tensorflow.keras as hvd
@@ -33,7 +34,7 @@ def _keras(rank, world, mode="auto"):
     rng = np.random.default_rng(rank)
     x = rng.normal(size=(160, 16)).astype("float32")
     y = rng.normal(size=(160, 3)).astype("float32")
-    model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+    model.fit(x, y, batch_size=16, epochs=6, shuffle=False, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     return {"rounds": opt.exchange_trials(),
             "levels": [r["level"] for r in opt.compression_plan()],
@@ -61,7 +62,8 @@ def _ddp(rank, world):
     model.register_comm_hook(state, hvd.cgx_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(rank)
-    for _ in range(28):  # window 2, warm-up 3, 3-5 plans x 2 steps, a runoff of as many
+    # window 2, warm-up 3, 3-5 plans x 2 steps, up to 3 runoff passes of as many: 45 at most
+    for _ in range(60):
         x = torch.randn(16, 32, generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), x[:, :10].argmax(1)).backward()
