@@ -136,7 +136,7 @@ def run_one(run: dict[str, Any], args) -> dict[str, Any]:
                 "benchmarks.timetoacc.rank:train",
                 {"method": run["method"], "workload": run["workload"], "steps": run["steps"],
                  "eval_every": args.eval_every, "seed": run["seed"], "tiny": args.tiny,
-                 "device": args.device},
+                 "device": args.device, "bn_batches": args.bn_batches},
                 timeout=args.timeout)
     except RankFailedError as exc:  # report a method that crashes, keep the others
         record["error"] = str(exc).splitlines()[-1][:300]
@@ -229,6 +229,9 @@ def main(argv=None) -> int:
                    help="the low-communication methods (DiLoCo, post-local SGD) train this many "
                         "times the steps (default 3): their time to the target counts")
     p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--bn-batches", type=int, default=0,
+                   help="evaluate a model with BatchNorm with its statistics re-estimated "
+                        "from this many training batches (0: the running ones); every method")
     p.add_argument("--slack", type=float, default=0.02,
                    help="target loss = (1 + slack) x DDP fp32's final validation loss")
     p.add_argument("--study", action="store_true", help="accuracy study: 3 seeds, unshaped link")
@@ -252,6 +255,8 @@ def main(argv=None) -> int:
         p.error(str(exc))
     if args.eval_every < 1:
         p.error("--eval-every must be >= 1")
+    if args.bn_batches < 0:
+        p.error("--bn-batches must be >= 0")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     if args.local_steps < 1:

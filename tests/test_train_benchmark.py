@@ -113,6 +113,20 @@ def test_every_method_both_workloads_hosts_and_study(tmp_path):
         assert times["time_to_target_s"]["ddp-fp32"] is not None, title
 
 
+def test_batch_norm_statistics_re_estimated_for_every_evaluation(tmp_path):
+    """--bn-batches: the CNN is evaluated with re-estimated statistics (the target and the
+    curves use them), the running ones kept beside; the LM has none and is unchanged."""
+    data = _run(tmp_path / "train", "--workloads", "cnn,lm", "--methods", "ddp-fp32,cgx-4bit",
+                "--bn-batches", "2")
+    records = data["records"]
+    _check_consistent(records)
+    for r in records:
+        has = ["loss_running_stats" in p for p in r["curve"]]
+        assert all(has) if r["workload"] == "cnn" else not any(has), r["method"]
+        if r["workload"] == "cnn":
+            assert any(p["loss"] != p["loss_running_stats"] for p in r["curve"]), r["method"]
+
+
 def test_fsdp_methods_train_and_count_what_they_send(tmp_path):
     fsdp = ["fsdp-fp32", "fsdp-bf16", "cgx-fsdp-8bit", "cgx-fsdp-4bit", "cgx-fsdp-4bit-p8"]
     data = _run(tmp_path / "fsdp", "--workloads", "lm", "--methods", ",".join(["ddp-fp32", *fsdp]))

@@ -37,12 +37,34 @@ def _compute_only(work, steps: int, device: str = "cpu") -> float:
     return statistics.median(times[1:] if len(times) > 2 else times)
 
 
+def has_batch_norm(model) -> bool:
+    import torch
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def reestimated(work, fresh, batches: int):
+    """``fresh`` (a model of ``work``'s architecture: no hooks of any method on it) holding
+    ``work.model``'s parameters, its BatchNorm statistics re-estimated from this rank's first
+    ``batches`` training batches (``torch.optim.swa_utils.update_bn``). ``work.model`` is
+    left as it is."""
+    import torch
+    fresh.load_state_dict(work.model.state_dict())
+    device = next(work.model.parameters()).device
+    torch.optim.swa_utils.update_bn([work.train_batch(i)[0] for i in range(batches)],
+                                    fresh.to(device), device=device)
+    return fresh
+
+
 def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0,
-          tiny: bool = False, warmup: int = 3, device: str = "cpu") -> dict[str, Any]:
+          tiny: bool = False, warmup: int = 3, device: str = "cpu",
+          bn_batches: int = 0) -> dict[str, Any]:
     """Train ``steps`` steps with ``method``; rank 0 evaluates every ``eval_every`` steps.
 
     The clock (``train_s``) runs during training steps only: evaluation and the
-    barriers around it are left out. ``device="cuda"``: the model on the GPU (every rank
+    barriers around it are left out. ``bn_batches`` > 0: a model with BatchNorm is evaluated
+    with its statistics re-estimated from that many of rank 0's training batches (on a
+    copy: training goes on with its own), ``loss_running_stats`` keeping the evaluation
+    with the running ones; every method alike. ``device="cuda"``: the model on the GPU (every rank
     on the same one; the bytes go over Gloo). Returns this rank's record.
     """
     import torch
@@ -63,6 +85,11 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
             res = setup.evaluate(work.evaluate)
         elif rank == 0:
             res = work.evaluate(work.model)
+            if bn_batches and has_batch_norm(work.model):
+                with torch.random.fork_rng():  # building a model seeds torch's generator
+                    fresh = workloads.make(workload, rank, world, seed, tiny=tiny).model
+                res = {**work.evaluate(reestimated(work, fresh, bn_batches)),
+                       "loss_running_stats": res["loss"]}
         if rank == 0:
             curve.append({"step": step, "train_s": clock, "samples": step * work.samples_per_batch * world,
                           **res})
