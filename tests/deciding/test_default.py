@@ -176,3 +176,38 @@ def _diloco_warmup(rank, world):
 def test_diloco_warmup_under_the_default_sends_the_fixed_level(default_env):
     # a warm-up of a few steps is too short for trials: uniform quantization, no plan
     assert run_gloo(_diloco_warmup, 2) == ["quantize", "quantize"]
+
+
+def _resume_fixed_into_default(rank, world):
+    import cgx.torch as hvd
+    hvd.init()
+
+    def make(comp):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        kw = {} if comp is None else {"compression": comp}
+        return net, hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05,
+                                                             momentum=0.9),
+                                             named_parameters=net.named_parameters(), **kw)
+
+    def train(net, opt, steps):
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            opt.zero_grad()
+            net(torch.randn(8, 32, generator=g)).square().mean().backward()
+            opt.step()
+
+    old_net, old = make(hvd.Compression.quantize(bits=4))  # a run saved before the switch
+    train(old_net, old, 3)
+    net, opt = make(None)
+    net.load_state_dict(old_net.state_dict())
+    opt.load_state_dict(old.state_dict())
+    train(net, opt, STEPS)
+    return {"rounds": opt.exchange_trials(), "params": [p.detach() for p in net.parameters()]}
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_of_fixed_4bit_resumes_under_the_default(default_env):
+    a, b = run_gloo(_resume_fixed_into_default, 2)
+    assert len(a["rounds"]) >= 1 and a["rounds"] == b["rounds"]
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
