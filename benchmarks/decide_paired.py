@@ -24,32 +24,24 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.training import TRIALS, torch_method  # noqa: E402
+from benchmarks.training import TRIALS, _one_step, torch_method  # noqa: E402
 
 DECIDING = ["cgx-decide", "cgx-decide-sfb"]
 OTHERS = ["ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "cgx-optimizer-8bit",
           "cgx-optimizer", "cgx-optimizer-sfb"]
-# Trials keep re-checking the kept plan every recheck_every steps; a block's first interval
-# holds the other methods' turns, so a run this long could see drift that is not there.
+# Steps a deciding exchange may take to keep a plan before the blocks start anyway (the
+# report then says it did not decide).
 DECIDE_CAP = 150
 
 
 def _turn(step, steps: int) -> float:
-    """One untimed step, then ``steps`` timed: the slowest rank's seconds per step."""
-    import torch
-    import torch.distributed as dist
+    """One untimed step (the switch from another method), then ``steps`` timed: the slowest
+    rank's seconds per step."""
     step()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    dt = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return dt.item()
+    return _one_step(step, steps)
 
 
 def rank_main(deciding: list, others: list, blocks: int, steps: int, batch: int,

@@ -70,14 +70,15 @@ def vgg11(num_classes: int = 10):
                          nn.Linear(4096, 4096), nn.ReLU(True), nn.Linear(4096, num_classes))
 
 
-def _one_step(step) -> float:
-    """One step after a barrier: the slowest rank's seconds."""
+def _one_step(step, steps: int = 1) -> float:
+    """``steps`` steps after a barrier: the slowest rank's seconds per step."""
     import torch
     import torch.distributed as dist
     dist.barrier()
     t0 = time.perf_counter()
-    step()
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    for _ in range(steps):
+        step()
+    dt = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
     return dt.item()
 
