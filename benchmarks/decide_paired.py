@@ -27,7 +27,7 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.training import TRIALS, _one_step, torch_method  # noqa: E402
+from benchmarks.training import TRIALS, timed_steps, torch_method  # noqa: E402
 
 DECIDING = ["cgx-decide", "cgx-decide-sfb"]
 OTHERS = ["ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "cgx-optimizer-8bit",
@@ -41,7 +41,7 @@ def _turn(step, steps: int) -> float:
     """One untimed step (the switch from another method), then ``steps`` timed: the slowest
     rank's seconds per step."""
     step()
-    return _one_step(step, steps)
+    return timed_steps(step, steps)
 
 
 def rank_main(deciding: list, others: list, blocks: int, steps: int, batch: int,

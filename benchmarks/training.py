@@ -70,7 +70,7 @@ def vgg11(num_classes: int = 10):
                          nn.Linear(4096, 4096), nn.ReLU(True), nn.Linear(4096, num_classes))
 
 
-def _one_step(step, steps: int = 1) -> float:
+def timed_steps(step, steps: int = 1) -> float:
     """``steps`` steps after a barrier: the slowest rank's seconds per step."""
     import torch
     import torch.distributed as dist
@@ -95,7 +95,7 @@ def _timed(step, warmup: int, steps: int, counted=None) -> tuple[list[float], An
             tx0 = link_tx_bytes()
             if counted is not None:
                 before = counted.stats().wire_bytes
-        dt = _one_step(step)
+        dt = timed_steps(step)
         if i >= warmup:
             times.append(dt)
     link = (link_tx_bytes() - tx0) / steps
@@ -115,7 +115,7 @@ def _until_decided(step, decided, cap: int = 120) -> list[float]:
     """Run steps until ``decided()``; each step's seconds (slowest rank), as ``_timed``."""
     times = []
     while not decided() and len(times) < cap:
-        times.append(_one_step(step))
+        times.append(timed_steps(step))
     return times
 
 

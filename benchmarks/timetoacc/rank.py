@@ -45,8 +45,8 @@ def has_batch_norm(model) -> bool:
 def reestimated(work, fresh, batches: int):
     """``fresh`` (a model of ``work``'s architecture: no hooks of any method on it) holding
     ``work.model``'s parameters, its BatchNorm statistics re-estimated from this rank's first
-    ``batches`` training batches (``torch.optim.swa_utils.update_bn``). ``work.model`` is
-    left as it is."""
+    ``batches`` training batches (``torch.optim.swa_utils.update_bn``, which resets them
+    first, so one ``fresh`` serves every evaluation). ``work.model`` is left as it is."""
     import torch
     fresh.load_state_dict(work.model.state_dict())
     device = next(work.model.parameters()).device
@@ -79,15 +79,17 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
     setup = methods.build(method, work.model, work.optimizer, world)
     barrier = setup.barrier or dist.barrier
     curve = []
+    fresh = None  # bn_batches: one model of the architecture, re-estimated at each evaluation
+    if bn_batches and rank == 0 and setup.evaluate is None and has_batch_norm(work.model):
+        with torch.random.fork_rng():  # building a model seeds torch's generator
+            fresh = workloads.make(workload, rank, world, seed, tiny=tiny).model
 
     def evaluate(step: int, clock: float) -> None:
         if setup.evaluate is not None:  # a sharded model: every rank takes part
             res = setup.evaluate(work.evaluate)
         elif rank == 0:
             res = work.evaluate(work.model)
-            if bn_batches and has_batch_norm(work.model):
-                with torch.random.fork_rng():  # building a model seeds torch's generator
-                    fresh = workloads.make(workload, rank, world, seed, tiny=tiny).model
+            if fresh is not None:
                 res = {**work.evaluate(reestimated(work, fresh, bn_batches)),
                        "loss_running_stats": res["loss"]}
         if rank == 0:
