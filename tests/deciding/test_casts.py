@@ -169,7 +169,8 @@ def _decide(rank, world):
                             recheck_every=0, model_plans=10)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                    named_parameters=model.named_parameters(), compression=comp)
-    for step in range(30):  # window 2, up to 7 plans x 2 steps, a runoff of as many
+    # window 2, up to 7 plans x 2 steps, up to 3 runoff passes of as many: 58 at most
+    for step in range(60):
         x, y = _batch(rank, step)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
