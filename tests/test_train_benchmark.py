@@ -151,6 +151,32 @@ def test_fsdp_methods_train_and_count_what_they_send(tmp_path):
     assert p8["accounted_bytes_per_step"] <= p8["link_bytes_per_step"], p8
 
 
+def test_local_step_methods_cgx_torch_and_torchft(tmp_path):
+    """cgx's DiLoCo, torch's post-local SGD and torchft's DiLoCo (its lighthouse and
+    managers on the simulated hosts' addresses) train 3 times DDP's steps; what the link
+    carried covers what torch's and torchft's formulas count (torchft's: one fp32
+    allreduce a round, and its heartbeats and quorum calls besides)."""
+    local = ["cgx-diloco-h4", "torch-postlocal-sgd-h4", "torchft-diloco-h4"]
+    data = _run(tmp_path / "local", "--workloads", "lm", "--methods", ",".join(["ddp-fp32", *local]))
+    records = {r["method"]: r for r in data["records"]}
+    assert set(records) == {"ddp-fp32", *local}
+    for name in local:
+        r = records[name]
+        assert "error" not in r, r
+        assert r["samples_trained_per_rank"] == [3 * STEPS * TINY["lm"].batch * 2] * 2, name
+        assert r["train_loss_finite"] and all(math.isfinite(p["loss"]) for p in r["curve"])
+        assert r["curve"][-1]["step"] == 3 * STEPS
+        assert r["accounted_bytes_per_step"] > 0, name
+    for name in local[1:]:  # counted by the ring formula
+        r = records[name]
+        assert r["link_bytes_per_step"] >= r["accounted_bytes_per_step"], r
+    torchft = records["torchft-diloco-h4"]
+    assert torchft["accounted_bytes_per_step"] == 4 * _params("lm") * 3 / (3 * STEPS)
+    assert torchft["link_bytes_per_step"] < 2 * torchft["accounted_bytes_per_step"]
+    # A round's fp32 parameters against DDP's every step.
+    assert torchft["link_bytes_per_step"] < 0.5 * records["ddp-fp32"]["link_bytes_per_step"]
+
+
 @pytest.mark.horovod
 def test_horovod_methods(tmp_path):
     ok, why = train.horovod_available()

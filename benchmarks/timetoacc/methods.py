@@ -12,7 +12,8 @@ Names:
         per tensor, as cgx.planner predicts is fastest on the measured link
     cgx-decide[-flat]                                      Compression.auto(objective="time"):
         the model proposes whole plans, trials keep the fastest within the error budget
-    cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming, torch-postlocal-sgd[-h<N>]
+    cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming, cgx-localsgd[-h<N>],
+    torch-postlocal-sgd[-h<N>], torchft-diloco[-h<N>]
         local steps with periodic outer updates (benchmarks/timetoacc/methods_diloco.py)
     fsdp-fp32, fsdp-bf16, cgx-fsdp-8bit, cgx-fsdp-4bit, cgx-fsdp-hier, cgx-fsdp-4bit-p8
         sharded training, FSDP2's reduce-scatter or cgx's (benchmarks/timetoacc/methods_fsdp.py)
@@ -52,8 +53,9 @@ def check(name: str) -> str:
     raise ValueError(f"unknown method {name!r}; choose from {sorted(_FIXED)}, "
                      "cgx-<1..8>bit[-ef][-sfb][-flat], cgx-auto[-flat], cgx-planned[-sfb][-flat], "
                      "cgx-decide[-flat], cgx-exact, cgx-bf16, cgx-fp16, "
-                     "cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming or "
-                     "torch-postlocal-sgd[-h<N>], or one of "
+                     "cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming, "
+                     "cgx-localsgd[-h<N>], torch-postlocal-sgd[-h<N>], torchft-diloco[-h<N>], "
+                     "or one of "
                      f"{', '.join(methods_fsdp.FSDP_METHODS)}")
 
 

@@ -13,9 +13,11 @@ Names:
     torch-postlocal-sgd[-h<N>]  torch.distributed's PostLocalSGDOptimizer with a
                            PeriodicModelAverager (parameters averaged exactly every N = 50
                            steps, no outer optimizer)
+    torchft-diloco[-h<N>]  torchft's DiLoCo, H = N (50), the same outer optimizer, fp32
+                           (benchmarks/timetoacc/methods_torchft.py)
 
-cgx counts its own bytes (``hvd.stats()``); post-local SGD is counted as one ring
-allreduce of every parameter (float32) per averaging. :func:`build` returns the fields
+cgx counts its own bytes (``hvd.stats()``); post-local SGD and torchft are counted as one
+ring allreduce of every parameter (float32) per averaging. :func:`build` returns the fields
 of ``methods.Setup`` (this module is imported by ``methods``, never the reverse).
 """
 
@@ -23,10 +25,11 @@ from __future__ import annotations
 
 import re
 
+from benchmarks.timetoacc import methods_torchft
 from benchmarks.timetoacc.counters import cgx_counters, init_cgx
 
 DILOCO_METHODS = ("cgx-diloco-h50", "cgx-diloco-auto", "cgx-diloco-streaming", "cgx-localsgd",
-                  "torch-postlocal-sgd")
+                  "torch-postlocal-sgd", "torchft-diloco")
 _NAME = re.compile(r"^(?:cgx-diloco-(?:h(?P<h>[1-9][0-9]*)|(?P<mode>auto|streaming))"
                    r"|cgx-localsgd(?:-h(?P<lh>[1-9][0-9]*))?"
                    r"|torch-postlocal-sgd(?:-h(?P<ph>[1-9][0-9]*))?)$")
@@ -36,10 +39,12 @@ AVERAGING_PERIOD = 50  # steps between averagings of both local SGD methods (no 
 
 def handles(name: str) -> bool:
     """Is ``name`` one of this module's methods?"""
-    return _NAME.match(name) is not None
+    return _NAME.match(name) is not None or methods_torchft.handles(name)
 
 
 def build(name: str, model, make_optimizer, world: int) -> dict:
+    if methods_torchft.handles(name):
+        return methods_torchft.build(name, model, make_optimizer, world)
     m = _NAME.match(name)
     if m is None:
         raise ValueError(f"not a low-communication method: {name!r}")
