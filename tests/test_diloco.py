@@ -152,7 +152,8 @@ def test_benchmark_method_names():
     from benchmarks.timetoacc import methods
     for name in ("cgx-diloco-h50", "cgx-diloco-h7", "cgx-diloco-auto", "cgx-diloco-streaming",
                  "cgx-localsgd", "cgx-localsgd-h20", "torch-postlocal-sgd",
-                 "torch-postlocal-sgd-h10", "torchft-diloco", "torchft-diloco-h20"):
+                 "torch-postlocal-sgd-h10", "torchft-diloco", "torchft-diloco-h20",
+                 "torchft-diloco-streaming", "torchft-diloco-streaming-h10"):
         assert methods.check(name) == name
     for bad in ("cgx-diloco-h0", "cgx-diloco", "cgx-diloco-fast", "torch-postlocal-sgd-h",
                 "cgx-localsgd-h0", "cgx-localsgd-", "torchft-diloco-h0", "torchft"):

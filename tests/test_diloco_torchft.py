@@ -13,6 +13,21 @@ pytestmark = pytest.mark.multiproc
 H, ROUNDS = 3, 3
 
 
+def test_streaming_fragments_hold_every_parameter_once():
+    """torchft syncs modules: the benchmark's fragments hold the model's own tensors, each
+    once, in cgx's partition."""
+    from benchmarks.timetoacc.methods_torchft import fragments
+    from benchmarks.timetoacc.workloads import make
+    from cgx.diloco.schedule import balanced_fragments
+    model = make("lm", 0, 1, 0, tiny=True).model
+    parts = fragments(model, 5)
+    held = [p for part in parts for p in part.parameters()]
+    assert [id(p) for p in held] == [id(p) for p in model.parameters()]
+    sizes = [p.numel() for p in model.parameters()]
+    assert [sum(p.numel() for p in part.parameters()) for part in parts] == \
+        [sum(sizes[i] for i in g) for g in balanced_fragments(sizes, 5)]
+
+
 def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2)
 

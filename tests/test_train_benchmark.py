@@ -156,7 +156,8 @@ def test_local_step_methods_cgx_torch_and_torchft(tmp_path):
     managers on the simulated hosts' addresses) train 3 times DDP's steps; what the link
     carried covers what torch's and torchft's formulas count (torchft's: one fp32
     allreduce a round, and its heartbeats and quorum calls besides)."""
-    local = ["cgx-diloco-h4", "torch-postlocal-sgd-h4", "torchft-diloco-h4"]
+    local = ["cgx-diloco-h4", "torch-postlocal-sgd-h4", "torchft-diloco-h4",
+             "torchft-diloco-streaming-h10"]
     data = _run(tmp_path / "local", "--workloads", "lm", "--methods", ",".join(["ddp-fp32", *local]))
     records = {r["method"]: r for r in data["records"]}
     assert set(records) == {"ddp-fp32", *local}
@@ -172,9 +173,14 @@ def test_local_step_methods_cgx_torch_and_torchft(tmp_path):
         assert r["link_bytes_per_step"] >= r["accounted_bytes_per_step"], r
     torchft = records["torchft-diloco-h4"]
     assert torchft["accounted_bytes_per_step"] == 4 * _params("lm") * 3 / (3 * STEPS)
-    assert torchft["link_bytes_per_step"] < 2 * torchft["accounted_bytes_per_step"]
-    # A round's fp32 parameters against DDP's every step.
-    assert torchft["link_bytes_per_step"] < 0.5 * records["ddp-fp32"]["link_bytes_per_step"]
+    # Streaming: a fifth of the parameters every 2 steps, 6 syncs (of 5 fragments in turn).
+    streaming = records["torchft-diloco-streaming-h10"]["accounted_bytes_per_step"]
+    assert 4 * _params("lm") < streaming * 3 * STEPS < 2 * 4 * _params("lm")
+    for name in local[2:]:
+        r = records[name]
+        assert r["link_bytes_per_step"] < 2 * r["accounted_bytes_per_step"], name
+        # Rounds of fp32 parameters against DDP's every step.
+        assert r["link_bytes_per_step"] < 0.5 * records["ddp-fp32"]["link_bytes_per_step"], name
 
 
 @pytest.mark.horovod

@@ -13,7 +13,7 @@ Names:
     cgx-decide[-flat]                                      Compression.auto(objective="time"):
         the model proposes whole plans, trials keep the fastest within the error budget
     cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming, cgx-localsgd[-h<N>],
-    torch-postlocal-sgd[-h<N>], torchft-diloco[-h<N>]
+    torch-postlocal-sgd[-h<N>], torchft-diloco[-streaming][-h<N>]
         local steps with periodic outer updates (benchmarks/timetoacc/methods_diloco.py)
     fsdp-fp32, fsdp-bf16, cgx-fsdp-8bit, cgx-fsdp-4bit, cgx-fsdp-hier, cgx-fsdp-4bit-p8
         sharded training, FSDP2's reduce-scatter or cgx's (benchmarks/timetoacc/methods_fsdp.py)
@@ -54,7 +54,8 @@ def check(name: str) -> str:
                      "cgx-<1..8>bit[-ef][-sfb][-flat], cgx-auto[-flat], cgx-planned[-sfb][-flat], "
                      "cgx-decide[-flat], cgx-exact, cgx-bf16, cgx-fp16, "
                      "cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming, "
-                     "cgx-localsgd[-h<N>], torch-postlocal-sgd[-h<N>], torchft-diloco[-h<N>], "
+                     "cgx-localsgd[-h<N>], torch-postlocal-sgd[-h<N>], "
+                     "torchft-diloco[-streaming][-h<N>], "
                      "or one of "
                      f"{', '.join(methods_fsdp.FSDP_METHODS)}")
 

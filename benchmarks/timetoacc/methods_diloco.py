@@ -13,8 +13,8 @@ Names:
     torch-postlocal-sgd[-h<N>]  torch.distributed's PostLocalSGDOptimizer with a
                            PeriodicModelAverager (parameters averaged exactly every N = 50
                            steps, no outer optimizer)
-    torchft-diloco[-h<N>]  torchft's DiLoCo, H = N (50), the same outer optimizer, fp32
-                           (benchmarks/timetoacc/methods_torchft.py)
+    torchft-diloco[-streaming][-h<N>]  torchft's DiLoCo and Streaming DiLoCo, H = N (50),
+                           the same outer optimizer, fp32 (benchmarks/timetoacc/methods_torchft.py)
 
 cgx counts its own bytes (``hvd.stats()``); post-local SGD and torchft are counted as one
 ring allreduce of every parameter (float32) per averaging. :func:`build` returns the fields
@@ -29,7 +29,7 @@ from benchmarks.timetoacc import methods_torchft
 from benchmarks.timetoacc.counters import cgx_counters, init_cgx
 
 DILOCO_METHODS = ("cgx-diloco-h50", "cgx-diloco-auto", "cgx-diloco-streaming", "cgx-localsgd",
-                  "torch-postlocal-sgd", "torchft-diloco")
+                  "torch-postlocal-sgd", "torchft-diloco", "torchft-diloco-streaming")
 _NAME = re.compile(r"^(?:cgx-diloco-(?:h(?P<h>[1-9][0-9]*)|(?P<mode>auto|streaming))"
                    r"|cgx-localsgd(?:-h(?P<lh>[1-9][0-9]*))?"
                    r"|torch-postlocal-sgd(?:-h(?P<ph>[1-9][0-9]*))?)$")

@@ -1,9 +1,16 @@
 """torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, the pinned ``torchft`` 0.2.0) as a method.
 
-Name: ``torchft-diloco[-h<N>]``: H = N (50) inner steps of the workload's optimizer, then the
-averaged parameter change (fp32, one bucketed Gloo allreduce) applied by torch's SGD with
-Nesterov momentum (lr 0.7, momentum 0.9: the paper's, cgx's defaults). torchft quantizes
-outer gradients only on CUDA, so its exchange here is fp32.
+Names:
+    torchft-diloco[-h<N>]   H = N (50) inner steps of the workload's optimizer, then the
+                            averaged parameter change (fp32, one bucketed Gloo allreduce)
+                            applied by torch's SGD with Nesterov momentum (lr 0.7, momentum
+                            0.9: the paper's, cgx's defaults)
+    torchft-diloco-streaming[-h<N>]  Streaming DiLoCo: the parameters in 5 fragments (cgx's
+                            partition, ``cgx.diloco.balanced_fragments``), one synced every
+                            H / 5 steps, its exchange overlapping the next inner step
+                            (``fragment_sync_delay=1``), as ``cgx-diloco-streaming``
+
+torchft quantizes outer gradients only on CUDA, so its exchanges here are fp32.
 
 Each rank is a replica group of its own (group size 1), as torchft runs data-parallel
 replicas: a TCPStore and a ``Manager`` per rank, rank 0 serving the lighthouse that forms the
@@ -19,8 +26,9 @@ import re
 import socket
 from datetime import timedelta
 
-_NAME = re.compile(r"^torchft-diloco(?:-h(?P<h>[1-9][0-9]*))?$")
+_NAME = re.compile(r"^torchft-diloco(?P<streaming>-streaming)?(?:-h(?P<h>[1-9][0-9]*))?$")
 SYNC_EVERY = 50
+STREAMING = {"fragments": 5, "delay": 1}
 OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 # Rounds are long (H steps, rank 0's evaluations between them): torchft's 60 s default
 # quorum timeout would end a slow run.
@@ -51,6 +59,21 @@ def _lighthouse(world: int):
     return server, address[0]
 
 
+def fragments(model, count: int) -> list:
+    """``count`` modules holding the model's trainable parameters (the same tensors) in
+    cgx's balanced partition: torchft syncs modules, cgx parameter groups."""
+    import torch
+    from cgx.diloco.schedule import balanced_fragments
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out = []
+    for group in balanced_fragments([p.numel() for _, p in named], count):
+        holder = torch.nn.Module()
+        for i in group:
+            holder.register_parameter(named[i][0].replace(".", "_"), named[i][1])
+        out.append(holder)
+    return out
+
+
 def build(name: str, model, make_optimizer, world: int) -> dict:
     """The fields of ``methods.Setup``: the inner optimizer is what the loop steps (torchft's
     DiLoCo hooks its ``step``)."""
@@ -78,12 +101,19 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
         store_addr=host, store_port=store.port, rank=0, world_size=1,
         lighthouse_addr=lighthouse, hostname=host, timeout=TIMEOUT, quorum_timeout=TIMEOUT,
         connect_timeout=TIMEOUT, init_sync=False)  # the models start equal (one seed)
+    streaming = bool(m.group("streaming"))
+    parts = fragments(model, STREAMING["fragments"]) if streaming else [model]
     inner = make_optimizer(model.parameters())
-    outer = torch.optim.SGD(model.parameters(), **OUTER)
-    diloco = DiLoCo(manager, [model], inner, outer, sync_every=period, use_bucketization=True)
+    outer = [torch.optim.SGD(part.parameters(), **OUTER) for part in parts]
+    diloco = DiLoCo(manager, parts, inner, outer, sync_every=period, use_bucketization=True,
+                    fragment_sync_delay=STREAMING["delay"] if streaming else 0)
     diloco.__enter__()
-    params = sum(p.numel() for p in model.parameters())
-    ring = 2 * (world - 1) / world * 4 * params  # one fp32 ring allreduce per round
+    sizes = [sum(p.numel() for p in part.parameters()) for part in parts]
+
+    def accounted(steps: int) -> float:
+        """One fp32 ring allreduce of a fragment every H / fragments steps, in turn."""
+        syncs = steps // (period // len(parts))
+        return 2 * (world - 1) / world * 4 * sum(sizes[c % len(parts)] for c in range(syncs))
 
     keep = [store]  # this rank's group store lives as long as its manager
 
@@ -94,7 +124,6 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
         if server is not None:
             server.shutdown()
 
-    return dict(module=model, optimizer=inner, close=close,
-                accounted_bytes=lambda steps: ring * (steps // period),
-                note=f"H={period}, Nesterov outer SGD (lr 0.7, momentum 0.9), fp32 outer "
-                     "gradients in one bucket")
+    return dict(module=model, optimizer=inner, close=close, accounted_bytes=accounted,
+                note=f"H={period}, {len(parts)} fragment(s), Nesterov outer SGD (lr 0.7, "
+                     "momentum 0.9), fp32 outer gradients bucketed")
