@@ -5,10 +5,10 @@ Names:
                             averaged parameter change (fp32, one bucketed Gloo allreduce)
                             applied by torch's SGD with Nesterov momentum (lr 0.7, momentum
                             0.9: the paper's, cgx's defaults)
-    torchft-diloco-streaming[-h<N>]  Streaming DiLoCo: the parameters in 5 fragments (cgx's
-                            partition, ``cgx.diloco.balanced_fragments``), one synced every
-                            H / 5 steps, its exchange overlapping the next inner step
-                            (``fragment_sync_delay=1``), as ``cgx-diloco-streaming``
+    torchft-diloco-streaming[-h<N>]  Streaming DiLoCo: the parameters in 5 fragments
+                            (cgx's partition: ``cgx.diloco.schedule.balanced_fragments``),
+                            one synced every H / 5 steps, its exchange overlapping one inner
+                            step (``fragment_sync_delay=1``), as ``cgx-diloco-streaming``
 
 torchft quantizes outer gradients only on CUDA, so its exchanges here are fp32.
 
