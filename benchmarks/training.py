@@ -292,7 +292,8 @@ def rank_main(method: str, steps: int, warmup: int, batch: int,
     times, wire, link = _timed(m.step, warmup, steps, m.counted)
     params = sum(p.numel() for p in m.model.parameters())
     if wire is None:  # ring allreduce of the gradients (DDP) or of their compressed form
-        from benchmarks.timetoacc.methods import powersgd_values, ring_bytes
+        from benchmarks.timetoacc.counters import ring_bytes
+        from benchmarks.timetoacc.methods import powersgd_values
         values = powersgd_values(m.model, 1) if method == "ddp-powersgd" else params
         width = {"compute": 0, "ddp-fp32": 4, "ddp-fp16": 2, "ddp-bf16": 2,
                  "ddp-powersgd": 4}[method]

@@ -32,3 +32,9 @@ def cgx_counters(hvd) -> tuple[Callable[[int], float], Callable[[], float]]:
         return sum(now.get(k, 0.0) - start.seconds.get(k, 0.0) for k in ("compress", "decompress"))
 
     return accounted, compression_seconds
+
+
+def ring_bytes(nbytes: float, world: int) -> float:
+    """What each rank sends in a ring allreduce of ``nbytes`` (the count of the methods that
+    do not count their own bytes)."""
+    return 2 * (world - 1) / world * nbytes

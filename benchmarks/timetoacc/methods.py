@@ -30,7 +30,7 @@ import os
 import re
 from typing import Callable, Optional
 
-from benchmarks.timetoacc.counters import cgx_counters, init_cgx
+from benchmarks.timetoacc.counters import cgx_counters, init_cgx, ring_bytes
 
 DEFAULT_METHODS = ("ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
                    "horovod-fp32", "horovod-fp16", "cgx-8bit", "cgx-4bit", "cgx-2bit-ef", "cgx-auto",
@@ -95,10 +95,6 @@ def bf16_gloo_hook(process_group, bucket):
         return buffer
 
     return fut.then(decompress)
-
-
-def ring_bytes(nbytes: float, world: int) -> float:
-    return 2 * (world - 1) / world * nbytes
 
 
 def powersgd_values(model, rank: int, min_rate: float = 2.0) -> int:

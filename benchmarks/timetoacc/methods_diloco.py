@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 
 from benchmarks.timetoacc import methods_torchft
-from benchmarks.timetoacc.counters import cgx_counters, init_cgx
+from benchmarks.timetoacc.counters import cgx_counters, init_cgx, ring_bytes
 
 DILOCO_METHODS = ("cgx-diloco-h50", "cgx-diloco-auto", "cgx-diloco-streaming", "cgx-localsgd",
                   "torch-postlocal-sgd", "torchft-diloco", "torchft-diloco-streaming")
@@ -81,7 +81,7 @@ def _postlocal(model, make_optimizer, world: int, period: int) -> dict:
                                 PeriodicModelAverager(period=period, warmup_steps=0))
     params = sum(p.numel() for p in model.parameters())
     # One ring allreduce of the parameters at steps 0, period, 2 period, ... (torch's rule).
-    ring = 2 * (world - 1) / world * 4 * params
+    ring = ring_bytes(4 * params, world)
     return dict(module=model, optimizer=opt,
                 accounted_bytes=lambda steps: ring * ((steps - 1) // period + 1 if steps else 0),
                 note=f"parameters averaged every {period} steps (fp32)")

@@ -21,15 +21,17 @@ address inside the simulated hosts and to loopback elsewhere).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
 from datetime import timedelta
 
+from benchmarks.timetoacc.counters import ring_bytes
+
 _NAME = re.compile(r"^torchft-diloco(?P<streaming>-streaming)?(?:-h(?P<h>[1-9][0-9]*))?$")
 SYNC_EVERY = 50
 STREAMING = {"fragments": 5, "delay": 1}
-OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 # Rounds are long (H steps, rank 0's evaluations between them): torchft's 60 s default
 # quorum timeout would end a slow run.
 TIMEOUT = timedelta(minutes=10)
@@ -101,10 +103,12 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
         store_addr=host, store_port=store.port, rank=0, world_size=1,
         lighthouse_addr=lighthouse, hostname=host, timeout=TIMEOUT, quorum_timeout=TIMEOUT,
         connect_timeout=TIMEOUT, init_sync=False)  # the models start equal (one seed)
+    from cgx.diloco import OuterSGD
+    outer_kwargs = dataclasses.asdict(OuterSGD())  # cgx's default, as torch.optim.SGD's kwargs
     streaming = bool(m.group("streaming"))
     parts = fragments(model, STREAMING["fragments"]) if streaming else [model]
     inner = make_optimizer(model.parameters())
-    outer = [torch.optim.SGD(part.parameters(), **OUTER) for part in parts]
+    outer = [torch.optim.SGD(part.parameters(), **outer_kwargs) for part in parts]
     diloco = DiLoCo(manager, parts, inner, outer, sync_every=period, use_bucketization=True,
                     fragment_sync_delay=STREAMING["delay"] if streaming else 0)
     diloco.__enter__()
@@ -113,7 +117,7 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
     def accounted(steps: int) -> float:
         """One fp32 ring allreduce of a fragment every H / fragments steps, in turn."""
         syncs = steps // (period // len(parts))
-        return 2 * (world - 1) / world * 4 * sum(sizes[c % len(parts)] for c in range(syncs))
+        return ring_bytes(4 * sum(sizes[c % len(parts)] for c in range(syncs)), world)
 
     keep = [store]  # this rank's group store lives as long as its manager
 
