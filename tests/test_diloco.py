@@ -45,6 +45,7 @@ def test_bad_settings_fail_at_construction(kwargs, match):
     ({"momentum": 1.0}, r"outer momentum must be in \[0, 1\)"),
     ({"momentum": 0.0}, r"Nesterov momentum needs momentum > 0"),
     ({"nesterov": 1}, r"nesterov must be True or False"),
+    ({"follow_inner_lr": "yes"}, r"follow_inner_lr must be True or False"),
 ])
 def test_bad_outer_optimizer_fails_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -76,7 +77,8 @@ def test_torch_adapter_checks_at_construction():
 def test_defaults_are_the_papers():
     cfg = DiLoCoConfig()
     assert (cfg.sync_every, cfg.fragments, cfg.delay, cfg.warmup_steps) == (50, 1, 0, 0)
-    assert cfg.outer_optimizer == OuterSGD(lr=0.7, momentum=0.9, nesterov=True)
+    assert cfg.outer_optimizer == OuterSGD(lr=0.7, momentum=0.9, nesterov=True,
+                                           follow_inner_lr=False)
     comp = cfg.outer_compression()
     assert comp.compressor.bits == 4  # ErrorFeedback(QuantizeCompressor(4 bits))
     assert DiLoCoConfig(fragments=4).delay == 1  # streaming overlaps by default
@@ -151,12 +153,14 @@ def test_auto_takes_the_smallest_h_whose_exchange_hides():
 def test_benchmark_method_names():
     from benchmarks.timetoacc import methods
     for name in ("cgx-diloco-h50", "cgx-diloco-h7", "cgx-diloco-auto", "cgx-diloco-streaming",
+                 "cgx-diloco-h50-followlr", "cgx-diloco-streaming-followlr",
                  "cgx-localsgd", "cgx-localsgd-h20", "torch-postlocal-sgd",
                  "torch-postlocal-sgd-h10", "torchft-diloco", "torchft-diloco-h20",
                  "torchft-diloco-streaming", "torchft-diloco-streaming-h10"):
         assert methods.check(name) == name
     for bad in ("cgx-diloco-h0", "cgx-diloco", "cgx-diloco-fast", "torch-postlocal-sgd-h",
-                "cgx-localsgd-h0", "cgx-localsgd-", "torchft-diloco-h0", "torchft"):
+                "cgx-localsgd-h0", "cgx-localsgd-", "cgx-localsgd-followlr", "torchft-diloco-h0", "torchft"):
         with pytest.raises(ValueError, match="unknown method"):
             methods.check(bad)
+
 

@@ -53,8 +53,14 @@ def _init():
     return hvd
 
 
+SCHEDULE = dict(initial_learning_rate=1e-2, decay_steps=3, decay_rate=0.5)
+
+
 def _streaming(hvd):
-    return hvd.DiLoCo(keras.optimizers.Adam(1e-2), sync_every=4, fragments=2, delay=1)
+    """Adam under a decaying schedule, the outer momentum following it."""
+    lr = keras.optimizers.schedules.ExponentialDecay(**SCHEDULE)
+    return hvd.DiLoCo(keras.optimizers.Adam(lr), sync_every=4, fragments=2, delay=1,
+                      outer_optimizer=hvd.OuterSGD(follow_inner_lr=True))
 
 
 def _two(rank, world, tmp):
@@ -79,7 +85,9 @@ def _two(rank, world, tmp):
     out["iterations"] = int(model.optimizer.iterations)
     loaded = hvd.load_model(os.path.join(tmp, f"r{rank}.keras"))
     out["loaded"] = (type(loaded.optimizer).__name__, int(loaded.optimizer.iterations),
-                     loaded.optimizer is not model.optimizer)
+                     loaded.optimizer is not model.optimizer,
+                     loaded.optimizer.get_config()["outer_optimizer"])
+    out["momentum_lr"] = list(model.optimizer.loop.state.momentum_lr)
     out["resumed"] = _fit(loaded, rank, 2)
     out["resumed_iterations"] = int(loaded.optimizer.iterations)
     # save_weights/load_weights into a fresh model whose optimizer is built
@@ -111,10 +119,24 @@ def test_save_and_resume_mid_round_is_bit_exact(runs):
     """Saved after step 4 with fragment 1's exchange in flight, loaded, 8 more steps."""
     results = runs[1]
     for out in results:
-        assert out["loaded"] == ("DiLoCo", 4, True)
+        assert out["loaded"] == ("DiLoCo", 4, True, [0.7, 0.9, True, True])
         assert out["resumed_iterations"] == out["iterations"] == 12
         for a, b, c in zip(out["straight"], out["resumed"], out["weights_resumed"]):
             np.testing.assert_array_equal(a, b)
             np.testing.assert_array_equal(a, c)  # save_weights carries the state too
     assert not all(np.array_equal(a, b) for a, b in zip(results[0]["straight"],
                                                        results[1]["straight"]))
+
+
+def test_outer_momentum_follows_the_schedules_learning_rate(runs):
+    """``OuterSGD(follow_inner_lr=True)`` under an ``ExponentialDecay``: the loop records,
+    per variable, the learning rate of the step its fragment last landed at (fragment 0
+    syncs at steps 2, 6, 10 and lands a step later, fragment 1 at 4, 8, 12; after 12 steps
+    their last landings are steps 11 and 9, taken at the schedule's values of iterations
+    10 and 8)."""
+    lr = keras.optimizers.schedules.ExponentialDecay(**SCHEDULE)
+    for out in runs[1]:
+        got = out["momentum_lr"]
+        assert all(x is not None for x in got), got
+        want = {float(lr(s)) for s in (8, 10)}
+        assert {round(x, 9) for x in got} == {round(x, 9) for x in want}, (got, want)

@@ -144,12 +144,87 @@ def _mismatch(hvd, rank):
     return None
 
 
+BASE_LRS = (0.1, 0.05)  # the inner SGD's two parameter groups (the two Linear layers)
+
+
+def _scheduled(hvd, rank, follow, decay, h=2, steps=8):
+    """Inner SGD with two groups whose lrs fall by ``decay`` every round; exact outer
+    gradients, Nesterov outer SGD, ``follow_inner_lr=follow``: the parameters after each
+    sync."""
+    model = _model()
+    inner = torch.optim.SGD([{"params": model[i].parameters(), "lr": lr}
+                             for i, lr in zip((0, 2), BASE_LRS)])
+    opt = hvd.DiLoCo(model, inner, sync_every=h, compression=hvd.Compression.exact,
+                     outer_optimizer=hvd.OuterSGD(follow_inner_lr=follow))
+    out = []
+    for step in range(steps):
+        for g, lr in zip(inner.param_groups, BASE_LRS):
+            g["lr"] = lr * decay ** (step // h)
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        opt.step()
+        if (step + 1) % h == 0:
+            out.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+    return out
+
+
+def _scheduled_reference(world, decay, follow, h=2, steps=8):
+    """What :func:`_scheduled` must give, computed on one rank: each rank's H plain SGD
+    steps from the anchors, the changes averaged, the outer Nesterov step with the buffer
+    rescaled by the inner lr's change when ``follow``."""
+    model = _model()
+    anchors = [p.detach().clone() for p in model.parameters()]
+    bufs = [torch.zeros_like(a) for a in anchors]
+    base = [BASE_LRS[0]] * 2 + [BASE_LRS[1]] * 2  # 0.weight, 0.bias, 2.weight, 2.bias
+    out, last = [], None
+    for k in range(steps // h):
+        lrs = [b * decay ** k for b in base]
+        deltas = []
+        for r in range(world):
+            m = _model()
+            with torch.no_grad():
+                for p, a in zip(m.parameters(), anchors):
+                    p.copy_(a)
+            for step in range(k * h, (k + 1) * h):
+                m.zero_grad()
+                _loss(m, r, step).backward()
+                with torch.no_grad():
+                    for p, lr in zip(m.parameters(), lrs):
+                        p.add_(p.grad, alpha=-lr)
+            deltas.append([a - p.detach() for a, p in zip(anchors, m.parameters())])
+        for i, (a, buf) in enumerate(zip(anchors, bufs)):
+            d = torch.stack([dl[i] for dl in deltas]).sum(0) / world
+            scale = lrs[i] / last[i] if follow and last else 1.0
+            buf.mul_(0.9 * scale).add_(d)
+            a.add_(d.add(buf, alpha=0.9), alpha=-0.7)
+        last = lrs
+        out.append(torch.cat([a.reshape(-1).clone() for a in anchors]))
+    return out
+
+
+def _bad_inner_lr(hvd):
+    """The loop's refusals of an unusable inner learning rate (its messages)."""
+    from cgx.diloco import DiLoCoConfig, OuterLoop
+    loop = OuterLoop(["w"], [(3,)], DiLoCoConfig(
+        outer_optimizer=hvd.OuterSGD(follow_inner_lr=True)))
+    out = []
+    for bad in ([0.1, 0.2], float("nan"), -0.1, [0.1, "x"], "fast"):
+        try:
+            loop.after_inner_step(None, inner_lr=bad)
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
 def _two(rank, world, path):
     hvd = _init(stall_warning_s=0.5)
     out = {"h1": _h1_runs(hvd, rank, world),
            "synced": {(k, h): _synced_params(hvd, rank, k, h) for k, h in ((1, 3), (2, 4))},
            "straight": _run_and_save(hvd, rank, path),
-           "slow": _slow(hvd, rank), "auto": _auto(hvd, rank)}
+           "slow": _slow(hvd, rank), "auto": _auto(hvd, rank),
+           "scheduled": {(f, d): _scheduled(hvd, rank, f, d)
+                         for f, d in ((True, 0.5), (False, 0.5), (True, 1.0), (False, 1.0))},
+           "bad_inner_lr": _bad_inner_lr(hvd)}
     out["mismatch"] = _mismatch(hvd, rank)  # last: it leaves the ranks out of step
     return out
 
@@ -248,6 +323,32 @@ def test_auto_chooses_the_same_h_on_every_rank_and_trains_on(two):
     assert h0 == h1 == c0.sync_every and h0 >= 50  # an outer optimizer: at least 50
     assert c0.step_s == c1.step_s  # the slowest rank's, agreed
     assert torch.equal(p0[2], p1[2])  # the calibration round synced at step 3
+
+
+# -- the outer momentum under a decaying inner learning rate ------------------------------
+
+def test_outer_momentum_follows_the_inner_learning_rate(two):
+    """``OuterSGD(follow_inner_lr=True)``: the buffer is rescaled by each parameter group's
+    inner lr change (halved every round here); the default keeps DiLoCo's update, and so
+    does ``follow_inner_lr`` under a constant lr, bit for bit."""
+    want = {f: _scheduled_reference(2, 0.5, f) for f in (True, False)}
+    for res in two[1]:
+        runs = res["scheduled"]
+        for follow in (True, False):
+            for got, ref in zip(runs[(follow, 0.5)], want[follow]):
+                assert (got - ref).abs().max() <= 2e-6 * ref.abs().max(), follow
+        assert all(torch.equal(a, b) for a, b in zip(runs[(True, 1.0)], runs[(False, 1.0)]))
+        last = (runs[(True, 0.5)][-1] - runs[(False, 0.5)][-1]).abs().max()
+        assert last > 1e-3 * want[True][-1].abs().max()  # the rescaling changed the run
+    assert all(torch.equal(a, b) for a, b in
+               zip(two[1][0]["scheduled"][(True, 0.5)], two[1][1]["scheduled"][(True, 0.5)]))
+
+
+def test_an_unusable_inner_learning_rate_is_refused(two):
+    msgs = two[1][0]["bad_inner_lr"]
+    assert len(msgs) == 5, msgs
+    assert all("inner_lr must be one finite number >= 0 or one per parameter (1)" in m
+               for m in msgs), msgs
 
 
 # -- the example ------------------------------------------------------------------------

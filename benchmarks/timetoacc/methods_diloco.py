@@ -7,6 +7,8 @@ Names:
     cgx-diloco-auto        the same, H chosen from the measured link and step time
     cgx-diloco-streaming   Streaming DiLoCo: H = 50 in 5 fragments, each exchange overlapping
                            the next inner step
+    cgx-diloco-...-followlr  any of the three with ``OuterSGD(follow_inner_lr=True)``: the
+                           outer momentum decays with the inner learning rate's schedule
     cgx-localsgd[-h<N>]    cgx.torch.DiLoCo with ``outer_optimizer=None``: the ranks' parameter
                            change averaged every N (50) steps through the same 4-bit exchange
                            and applied as it is (local SGD; post-local SGD's, compressed)
@@ -31,6 +33,7 @@ from benchmarks.timetoacc.counters import cgx_counters, init_cgx, ring_bytes
 DILOCO_METHODS = ("cgx-diloco-h50", "cgx-diloco-auto", "cgx-diloco-streaming", "cgx-localsgd",
                   "torch-postlocal-sgd", "torchft-diloco", "torchft-diloco-streaming")
 _NAME = re.compile(r"^(?:cgx-diloco-(?:h(?P<h>[1-9][0-9]*)|(?P<mode>auto|streaming))"
+                   r"(?P<follow>-followlr)?"
                    r"|cgx-localsgd(?:-h(?P<lh>[1-9][0-9]*))?"
                    r"|torch-postlocal-sgd(?:-h(?P<ph>[1-9][0-9]*))?)$")
 STREAMING = {"sync_every": 50, "fragments": 5, "delay": 1}
@@ -59,6 +62,8 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
         kwargs = {"sync_every": "auto"}
     else:
         kwargs = dict(STREAMING)
+    if m.group("follow"):
+        kwargs["outer_optimizer"] = hvd.OuterSGD(follow_inner_lr=True)
     opt = hvd.DiLoCo(model, make_optimizer(model.parameters()), **kwargs)
     accounted, compression_seconds = cgx_counters(hvd)
 
@@ -71,7 +76,9 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
     return dict(module=model, optimizer=opt, accounted_bytes=accounted,
                 compression_seconds=compression_seconds, plan=plan,
                 note=f"H={c.sync_every}, {c.fragments} fragment(s), delay {c.delay}"
-                     + ("" if c.outer_optimizer else ", plain averaging"))
+                     + ("" if c.outer_optimizer else ", plain averaging")
+                     + (", outer momentum follows the inner lr"
+                        if c.outer_optimizer and c.outer_optimizer.follow_inner_lr else ""))
 
 
 def _postlocal(model, make_optimizer, world: int, period: int) -> dict:

@@ -21,7 +21,6 @@ address inside the simulated hosts and to loopback elsewhere).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import socket
@@ -104,7 +103,8 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
         lighthouse_addr=lighthouse, hostname=host, timeout=TIMEOUT, quorum_timeout=TIMEOUT,
         connect_timeout=TIMEOUT, init_sync=False)  # the models start equal (one seed)
     from cgx.diloco import OuterSGD
-    outer_kwargs = dataclasses.asdict(OuterSGD())  # cgx's default, as torch.optim.SGD's kwargs
+    d = OuterSGD()  # cgx's default, as torch.optim.SGD's kwargs
+    outer_kwargs = {"lr": d.lr, "momentum": d.momentum, "nesterov": d.nesterov}
     streaming = bool(m.group("streaming"))
     parts = fragments(model, STREAMING["fragments"]) if streaming else [model]
     inner = make_optimizer(model.parameters())

@@ -36,15 +36,26 @@ class OuterSGD:
     ``buf = momentum * buf + d``; the anchor moves by ``-lr * (d + momentum * buf)``
     (Nesterov) or ``-lr * buf``, as ``torch.optim.SGD``. DiLoCo's defaults.
 
+    An outer gradient is the inner steps' sum, so it carries the inner learning rate of
+    its round; the buffer keeps earlier rounds' at their old rate. Under a decaying inner
+    schedule that stale momentum keeps pushing when the inner steps have almost stopped
+    (the loss rises at the end of training). ``follow_inner_lr=True`` rescales the buffer
+    by ``inner lr now / inner lr at the last outer step`` before adding ``d``: the buffer
+    then decays with the schedule, as ``torch.optim.SGD``'s does under a scheduler. With a
+    constant inner learning rate it changes nothing.
+
     Args:
         lr: outer learning rate, > 0 (1.0 with momentum 0 is plain averaging).
         momentum: in [0, 1).
         nesterov: Nesterov momentum (needs momentum > 0).
+        follow_inner_lr: rescale the momentum buffer with the inner learning rate (the
+            adapters read it from the inner optimizer at every outer step).
     """
 
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
+    follow_inner_lr: bool = False
 
     def __post_init__(self):
         lr, momentum = _real(self.lr, "outer lr"), _real(self.momentum, "outer momentum")
@@ -55,6 +66,9 @@ class OuterSGD:
             raise ValueError(f"the outer momentum must be in [0, 1), got {self.momentum!r}")
         if not isinstance(self.nesterov, bool):
             raise ValueError(f"nesterov must be True or False, got {self.nesterov!r}")
+        if not isinstance(self.follow_inner_lr, bool):
+            raise ValueError(f"follow_inner_lr must be True or False, got "
+                             f"{self.follow_inner_lr!r}")
         if self.nesterov and momentum == 0:
             raise ValueError("Nesterov momentum needs momentum > 0; pass nesterov=False")
         object.__setattr__(self, "lr", lr)

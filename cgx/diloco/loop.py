@@ -60,6 +60,8 @@ class LoopState:
             outer gradient): exchanges finished and not applied yet (a checkpoint taken
             while one travels waits for it and keeps it here).
         step_seconds: ``"auto"``: the calibration round's inner step times.
+        momentum_lr: per parameter, the inner learning rate at its last outer step
+            (``OuterSGD(follow_inner_lr=True)``; None until then).
     """
 
     step: int = 0
@@ -69,6 +71,7 @@ class LoopState:
     schedule_start: int = 0
     landed: dict = dataclasses.field(default_factory=dict)
     step_seconds: list = dataclasses.field(default_factory=list)
+    momentum_lr: Optional[list] = None
 
 
 class OuterLoop:
@@ -104,6 +107,7 @@ class OuterLoop:
         self._last_time: Optional[float] = None  # "auto": when the last inner step ended
         self._schedule: Optional[FragmentSchedule] = None  # for _schedule_key (H, start)
         self._schedule_key: Optional[tuple] = None
+        self._inner_lr: Optional[list] = None  # per parameter, given by after_inner_step
         self.choice = None  # "auto": the cgx.diloco.auto.RoundChoice made
 
     # -- where the run is ----------------------------------------------------------------
@@ -170,14 +174,18 @@ class OuterLoop:
         self.state.momentum = [None] * len(values)
         self._last_time = time.perf_counter()
 
-    def after_inner_step(self, access: ParamAccess, step: Optional[int] = None) -> None:
+    def after_inner_step(self, access: ParamAccess, step: Optional[int] = None,
+                         inner_lr=None) -> None:
         """After the inner optimizer's step: start the fragments due, apply those that
         land, and (``"auto"``) time the step or choose H.
 
         Args:
             step: the inner steps done now, for a caller that skips the steps without
                 events (:meth:`next_event`); default: one more than before.
+            inner_lr: the inner optimizer's learning rate now, one number or one per
+                parameter; needed by ``OuterSGD(follow_inner_lr=True)``.
         """
+        self._set_inner_lr(inner_lr)
         st = self.state
         st.step = st.step + 1 if step is None else int(step)
         s = self.local_step
@@ -191,6 +199,20 @@ class OuterLoop:
             self._apply(f, access)
         if st.sync_every is None:
             self._calibrate(s)
+
+    def _set_inner_lr(self, inner_lr) -> None:
+        if inner_lr is None:
+            self._inner_lr = None
+            return
+        try:
+            lrs = [float(inner_lr)] * len(self.names) if isinstance(inner_lr, (int, float)) \
+                else [float(x) for x in inner_lr]
+        except (TypeError, ValueError):
+            lrs = []
+        if len(lrs) != len(self.names) or not all(math.isfinite(x) and x >= 0 for x in lrs):
+            raise ValueError(f"inner_lr must be one finite number >= 0 or one per parameter "
+                             f"({len(self.names)}), got {inner_lr!r}")
+        self._inner_lr = lrs
 
     def _launch(self, f: int, access: ParamAccess, s: int) -> None:
         if f in self._inflight or f in self.state.landed:
@@ -253,9 +275,24 @@ class OuterLoop:
                 buf = st.momentum[i]
                 if buf is None:
                     buf = st.momentum[i] = torch.zeros_like(a)
-                buf.mul_(opt.momentum).add_(d)
+                buf.mul_(opt.momentum * self._momentum_scale(i))
+                buf.add_(d)
                 d = d.add(buf, alpha=opt.momentum) if opt.nesterov else buf
             a.add_(d, alpha=-opt.lr)
+
+    def _momentum_scale(self, i: int) -> float:
+        """``follow_inner_lr``: inner lr now over that of parameter ``i``'s last outer step
+        (1 otherwise, and at the first outer step or after a zero rate)."""
+        if not self.config.outer_optimizer.follow_inner_lr:
+            return 1.0
+        if self._inner_lr is None:
+            raise ValueError("OuterSGD(follow_inner_lr=True) needs the inner learning rate: "
+                             "pass inner_lr= to OuterLoop.after_inner_step")
+        st, now = self.state, self._inner_lr[i]
+        if st.momentum_lr is None:
+            st.momentum_lr = [None] * len(self.names)
+        then, st.momentum_lr[i] = st.momentum_lr[i], now
+        return 1.0 if not then else now / then
 
     # -- sync_every="auto" ---------------------------------------------------------------
 
@@ -286,6 +323,7 @@ class OuterLoop:
                 "landed": {f: (at, list(idx), copy(outs))
                            for f, (at, idx, outs) in st.landed.items()},
                 "step_seconds": list(st.step_seconds), "plan": self.plan.state_dict(),
+                "momentum_lr": None if st.momentum_lr is None else list(st.momentum_lr),
                 "warmup_plan": None if self.warmup_plan is None
                 else self.warmup_plan.state_dict()}
 
@@ -298,11 +336,13 @@ class OuterLoop:
             raise ValueError(f"the checkpoint holds {len(anchors)} parameters, this model "
                              f"{len(self.names)}")
         self._inflight.clear()
+        lrs = state.get("momentum_lr")  # absent from states saved before it existed
         self.state = LoopState(int(state["step"]), _copied(anchors), _copied(state["momentum"]),
                                state["sync_every"], int(state["schedule_start"]),
                                {f: (at, list(idx), _copied(outs))
                                 for f, (at, idx, outs) in state["landed"].items()},
-                               list(state["step_seconds"]))
+                               list(state["step_seconds"]),
+                               None if lrs is None else list(lrs))
         self.plan.load_state_dict(state["plan"])
         if self.warmup_plan is not None and state.get("warmup_plan") is not None:
             self.warmup_plan.load_state_dict(state["warmup_plan"])

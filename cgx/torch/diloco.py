@@ -56,7 +56,8 @@ class DiLoCo:
         fragments: K: > 1 is Streaming DiLoCo (staggered, overlapped fragments).
         delay: inner steps a fragment's exchange overlaps (default 0 for K = 1, else 1).
         outer_optimizer: :class:`cgx.diloco.OuterSGD` (default lr 0.7, momentum 0.9,
-            Nesterov) or None (plain averaging: local SGD).
+            Nesterov; ``follow_inner_lr=True`` reads each parameter group's ``lr`` at
+            every outer step) or None (plain averaging: local SGD).
         compression: how outer gradients travel; default 4-bit with error feedback.
         warmup_steps: steps of synchronous data parallel first (gradients averaged
             through ``warmup_compression``, default ``Compression.none``: ``CGX_*``).
@@ -89,6 +90,8 @@ class DiLoCo:
                              "trainable parameters; give it model.parameters()")
         self.optimizer = optimizer
         self._access = TorchParams([p for _, p in named])
+        group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._group_of = [group_of[id(p)] for _, p in named]  # for the inner lr
         self._loop = OuterLoop([n for n, _ in named], [tuple(p.shape) for _, p in named],
                                config, group=resolve_process_set(process_set))
 
@@ -122,8 +125,16 @@ class DiLoCo:
             self._average_gradients()
         self._loop.before_inner_step(self._access)
         out = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        self._loop.after_inner_step(self._access)
+        self._loop.after_inner_step(self._access, inner_lr=self._inner_lr())
         return out
+
+    def _inner_lr(self):
+        """Per parameter, its group's learning rate (``OuterSGD(follow_inner_lr=True)``)."""
+        outer = self.config.outer_optimizer
+        if outer is None or not outer.follow_inner_lr:
+            return None
+        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        return [lrs[k] for k in self._group_of]
 
     def _average_gradients(self) -> None:
         params = self._access.params

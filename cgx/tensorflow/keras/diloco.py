@@ -68,8 +68,8 @@ class DiLoCo(DelegatesToInner, keras.optimizers.Optimizer):
     gradient averaged (compressed) over the ranks and applied by the outer optimizer.
 
     Args: as :class:`cgx.torch.DiLoCo` (``optimizer`` first; no model: the variables are
-    the ones Keras applies gradients to). ``outer_optimizer`` is saved as its three
-    numbers; a ``compression`` other than the default is not saved (pass it again to
+    the ones Keras applies gradients to). ``outer_optimizer`` is saved as its four
+    fields; a ``compression`` other than the default is not saved (pass it again to
     ``load_model`` through ``custom_objects`` if needed).
     """
 
@@ -128,12 +128,13 @@ class DiLoCo(DelegatesToInner, keras.optimizers.Optimizer):
         warm = self._config.warmup_steps
         if warm:
             grads = tf.cond(it < warm, lambda: self._averaged(grads, it), lambda: list(grads))
-        tf.cond(tf.equal(it, warm), lambda: self._run(trainable_variables, it, begin=True),
+        lr = tf.cast(self.inner_optimizer.learning_rate, tf.float64)  # this step's (schedule)
+        tf.cond(tf.equal(it, warm), lambda: self._run(trainable_variables, it, lr, begin=True),
                 lambda: tf.constant(False))
         self.inner_optimizer.apply(grads, trainable_variables)
         done = tf.convert_to_tensor(self.inner_optimizer.iterations)
         tf.cond(tf.equal(done, tf.convert_to_tensor(self._next_event)),
-                lambda: self._run(trainable_variables, done, begin=False),
+                lambda: self._run(trainable_variables, done, lr, begin=False),
                 lambda: tf.constant(False))
 
     def _averaged(self, grads, it):
@@ -143,17 +144,21 @@ class DiLoCo(DelegatesToInner, keras.optimizers.Optimizer):
         return run_collective(body, [it] + list(grads), [g.dtype for g in grads],
                               [g.shape for g in grads], f"{self.name}.warmup")
 
-    def _run(self, variables, step, begin: bool):
-        """One ``py_function``: the loop's work at ``step``; the variables take its results."""
-        def body(step, *values):
+    def _run(self, variables, step, lr, begin: bool):
+        """One ``py_function``: the loop's work at ``step`` (``lr``: the inner learning rate
+        of the step just taken); the variables take its results."""
+        def body(step, lr, *values):
             access = KerasValues(values)
             if begin:
                 self._loop.before_inner_step(access, int(step))
             else:
-                self._loop.after_inner_step(access, int(step))
+                outer = self._config.outer_optimizer
+                follow = outer is not None and outer.follow_inner_lr
+                self._loop.after_inner_step(access, int(step),
+                                            inner_lr=float(lr) if follow else None)
             return access.results() + [tf.constant(self._loop.next_event(), tf.int64)]
         values = [tf.convert_to_tensor(v) for v in variables]
-        outs = run_collective(body, [step] + values, [v.dtype for v in values] + [tf.int64],
+        outs = run_collective(body, [step, lr] + values, [v.dtype for v in values] + [tf.int64],
                               [v.shape for v in values] + [tf.TensorShape([])],
                               f"{self.name}.{'begin' if begin else 'outer'}")
         for v, o in zip(variables, outs):
@@ -186,7 +191,7 @@ class DiLoCo(DelegatesToInner, keras.optimizers.Optimizer):
                 "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
                 "sync_every": c.sync_every, "fragments": c.fragments, "delay": c.delay,
                 "outer_optimizer": None if outer is None else
-                [outer.lr, outer.momentum, outer.nesterov],
+                [outer.lr, outer.momentum, outer.nesterov, outer.follow_inner_lr],
                 "warmup_steps": c.warmup_steps, "mix": c.mix,
                 "calibrate_steps": c.calibrate_steps, "assume_gbit": c.assume_gbit}
 
