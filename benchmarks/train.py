@@ -6,7 +6,9 @@ source. Every method trains the same steps on the same samples, each rank in
 its own network namespace (``benchmarks/netsim``), over a ``tc tbf`` link of the
 chosen rate, or 2 hosts x 2 ranks. Per method: samples/s, the step split
 (compute / exposed communication / compression), bytes per step on the link
-(measured at the interface) and as counted by the method, peak RSS, final
+(measured at each host's interface, averaged over the hosts) and as counted by the
+method (its busiest rank's: a broadcast is sent by its root only, so DiLoCo's anchors
+count on rank 0 and on half the links), peak RSS, final
 validation loss and accuracy, and the training time to reach the target loss
 (DDP fp32's final loss, plus ``--slack``).
 

@@ -82,8 +82,8 @@ def scenario_table(records: list[Record], slack: float) -> tuple[list[str], dict
     base_t = time_to(base["curve"], target)[0] if base else None
     lines = [target_title(records, slack), "",
              "| method | samples/s | s/step: compute + exposed comm + compression | MB/step/rank "
-             "(link / counted) | peak RSS MB | final val loss | final val acc | time to target "
-             "| vs DDP fp32 (this run) |",
+             "(link, hosts' mean / counted, busiest rank) | peak RSS MB | final val loss "
+             "| final val acc | time to target | vs DDP fp32 (this run) |",
              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     reached = {}
     for r in records:
