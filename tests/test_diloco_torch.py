@@ -202,6 +202,24 @@ def _scheduled_reference(world, decay, follow, h=2, steps=8):
     return out
 
 
+def _first_step_bytes(hvd, rank):
+    """Bytes rank ``rank`` sent in its first local step (H=5: no outer exchange yet),
+    the ranks starting equal and different; the parameters after it; the warnings."""
+    import warnings
+    out = {}
+    for same in (True, False):
+        model = _model(seed=0 if same else rank)
+        opt = hvd.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=5)
+        before = hvd.stats().wire_bytes
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train(hvd, opt, model, rank, 1)
+        out[same] = (hvd.stats().wire_bytes - before,
+                     torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                     [str(w.message) for w in caught])
+    return out
+
+
 def _bad_inner_lr(hvd):
     """The loop's refusals of an unusable inner learning rate (its messages)."""
     from cgx.diloco import DiLoCoConfig, OuterLoop
@@ -224,7 +242,7 @@ def _two(rank, world, path):
            "slow": _slow(hvd, rank), "auto": _auto(hvd, rank),
            "scheduled": {(f, d): _scheduled(hvd, rank, f, d)
                          for f, d in ((True, 0.5), (False, 0.5), (True, 1.0), (False, 1.0))},
-           "bad_inner_lr": _bad_inner_lr(hvd)}
+           "bad_inner_lr": _bad_inner_lr(hvd), "first_step": _first_step_bytes(hvd, rank)}
     out["mismatch"] = _mismatch(hvd, rank)  # last: it leaves the ranks out of step
     return out
 
@@ -323,6 +341,31 @@ def test_auto_chooses_the_same_h_on_every_rank_and_trains_on(two):
     assert h0 == h1 == c0.sync_every and h0 >= 50  # an outer optimizer: at least 50
     assert c0.step_s == c1.step_s  # the slowest rank's, agreed
     assert torch.equal(p0[2], p1[2])  # the calibration round synced at step 3
+
+
+# -- the anchors: a broadcast only where the ranks differ -------------------------------
+
+def test_the_anchor_broadcast_is_skipped_when_the_ranks_start_equal(two):
+    """Rank 0 sends a whole model (4 bytes a parameter) when the ranks start different,
+    with a warning that says what to call, and only the digests when they start equal.
+    Either way each rank steps from rank 0's parameters, with the gradient it computed
+    before the step (on its own parameters)."""
+    numel = sum(p.numel() for p in _model().parameters())
+    first = [r["first_step"] for r in two[1]]
+    same_bytes, diff_bytes = (first[0][k][0] for k in (True, False))
+    assert diff_bytes >= 4 * numel, diff_bytes
+    assert same_bytes < 1000, same_bytes
+    for r in (0, 1):
+        assert first[r][True][2] == []
+        assert any("broadcast_parameters" in w for w in first[r][False][2]), first[r][False][2]
+        for same in (True, False):
+            start, own = _model(seed=0), _model(seed=0 if same else r)
+            _loss(own, r, 0).backward()
+            with torch.no_grad():
+                want = torch.cat([(p - 0.1 * q.grad).reshape(-1)
+                                  for p, q in zip(start.parameters(), own.parameters())])
+            got = first[r][same][1]
+            assert (got - want).abs().max() <= 1e-6 * want.abs().max(), (r, same)
 
 
 # -- the outer momentum under a decaying inner learning rate ------------------------------

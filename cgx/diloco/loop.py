@@ -16,9 +16,11 @@ values of its parameters.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import statistics
 import time
+import warnings
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -33,6 +35,11 @@ from cgx.errors import CollectiveMismatchError
 from cgx.exchange import GradientPlan
 
 STATE_FORMAT = 1
+DIFFERENT_START = (
+    "DiLoCo: the ranks began their local steps with different parameters; rank 0's were "
+    "broadcast (a whole fp32 model), and this step's gradient was computed on each rank's "
+    "own. Broadcast them before training: hvd.broadcast_parameters(model.state_dict(), "
+    "root_rank=0) (torch) or hvd.callbacks.BroadcastGlobalVariablesCallback(0) (Keras)")
 
 
 class ParamAccess(Protocol):
@@ -109,6 +116,7 @@ class OuterLoop:
         self._schedule_key: Optional[tuple] = None
         self._inner_lr: Optional[list] = None  # per parameter, given by after_inner_step
         self.choice = None  # "auto": the cgx.diloco.auto.RoundChoice made
+        self.anchors_broadcast = None  # did the ranks differ when the local steps began?
 
     # -- where the run is ----------------------------------------------------------------
 
@@ -157,19 +165,28 @@ class OuterLoop:
                            step=step, label=f"{self.label}.warmup")
 
     def before_inner_step(self, access: ParamAccess, step: Optional[int] = None) -> None:
-        """At the first local step: the anchors become rank 0's parameters (broadcast),
-        and so do the parameters themselves. ``step``: the inner steps done (default:
-        as counted here)."""
+        """At the first local step: the anchors become rank 0's parameters, and so do the
+        parameters themselves. ``step``: the inner steps done (default: as counted here).
+
+        The ranks first compare digests of their parameters: where they already hold the
+        same values (``broadcast_parameters`` at the start), the broadcast, a whole fp32
+        model sent by rank 0, is skipped. Where they differ it runs, with a warning: the
+        step's gradient was computed on each rank's own parameters."""
         if step is not None:
             self.state.step = int(step)
         if self.state.anchors is not None or self.in_warmup:
             return
         values = [v.detach().to(torch.float32, copy=True).contiguous()
                   for v in access.read(range(len(self.names)))]
-        root = 0 if self.group is None else self.group.ranks[0]
-        session.run(ops.broadcast_tensors, values, root, name=f"{self.label}.anchors",
-                    group=self.group, label=f"{self.label}.anchors")
-        access.write(range(len(values)), values)
+        digests = ops.allgather_object(_digest(values), name=f"{self.label}.anchors.digest",
+                                       group=self.group)
+        self.anchors_broadcast = len(set(digests)) > 1
+        if self.anchors_broadcast:
+            warnings.warn(DIFFERENT_START, stacklevel=3)
+            root = 0 if self.group is None else self.group.ranks[0]
+            session.run(ops.broadcast_tensors, values, root, name=f"{self.label}.anchors",
+                        group=self.group, label=f"{self.label}.anchors")
+            access.write(range(len(values)), values)
         self.state.anchors = values
         self.state.momentum = [None] * len(values)
         self._last_time = time.perf_counter()
@@ -347,6 +364,14 @@ class OuterLoop:
         if self.warmup_plan is not None and state.get("warmup_plan") is not None:
             self.warmup_plan.load_state_dict(state["warmup_plan"])
         self._last_time = None
+
+
+def _digest(tensors: Sequence[torch.Tensor]) -> str:
+    """A digest of the tensors' bytes (equal values, equal digests; 16 bytes of BLAKE2b)."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 
 def _copied(tensors):
