@@ -159,8 +159,7 @@ def test_benchmark_method_names():
                  "torchft-diloco-streaming", "torchft-diloco-streaming-h10"):
         assert methods.check(name) == name
     for bad in ("cgx-diloco-h0", "cgx-diloco", "cgx-diloco-fast", "torch-postlocal-sgd-h",
-                "cgx-localsgd-h0", "cgx-localsgd-", "cgx-localsgd-followlr", "torchft-diloco-h0", "torchft"):
+                "cgx-localsgd-h0", "cgx-localsgd-", "cgx-localsgd-followlr",
+                "torchft-diloco-h0", "torchft"):
         with pytest.raises(ValueError, match="unknown method"):
             methods.check(bad)
-
-

@@ -68,7 +68,8 @@ class LoopState:
             while one travels waits for it and keeps it here).
         step_seconds: ``"auto"``: the calibration round's inner step times.
         momentum_lr: per parameter, the inner learning rate at its last outer step
-            (``OuterSGD(follow_inner_lr=True)``; None until then).
+            (``OuterSGD(follow_inner_lr=True)``; None before it has one, and before the
+            local steps begin).
     """
 
     step: int = 0
@@ -116,7 +117,12 @@ class OuterLoop:
         self._schedule_key: Optional[tuple] = None
         self._inner_lr: Optional[list] = None  # per parameter, given by after_inner_step
         self.choice = None  # "auto": the cgx.diloco.auto.RoundChoice made
-        self.anchors_broadcast = None  # did the ranks differ when the local steps began?
+
+    @property
+    def follows_inner_lr(self) -> bool:
+        """Does the outer step need ``inner_lr`` (``OuterSGD(follow_inner_lr=True)``)?"""
+        opt = self.config.outer_optimizer
+        return opt is not None and opt.follow_inner_lr
 
     # -- where the run is ----------------------------------------------------------------
 
@@ -180,8 +186,7 @@ class OuterLoop:
                   for v in access.read(range(len(self.names)))]
         digests = ops.allgather_object(_digest(values), name=f"{self.label}.anchors.digest",
                                        group=self.group)
-        self.anchors_broadcast = len(set(digests)) > 1
-        if self.anchors_broadcast:
+        if len(set(digests)) > 1:
             warnings.warn(DIFFERENT_START, stacklevel=3)
             root = 0 if self.group is None else self.group.ranks[0]
             session.run(ops.broadcast_tensors, values, root, name=f"{self.label}.anchors",
@@ -189,6 +194,7 @@ class OuterLoop:
             access.write(range(len(values)), values)
         self.state.anchors = values
         self.state.momentum = [None] * len(values)
+        self.state.momentum_lr = [None] * len(values)
         self._last_time = time.perf_counter()
 
     def after_inner_step(self, access: ParamAccess, step: Optional[int] = None,
@@ -300,14 +306,12 @@ class OuterLoop:
     def _momentum_scale(self, i: int) -> float:
         """``follow_inner_lr``: inner lr now over that of parameter ``i``'s last outer step
         (1 otherwise, and at the first outer step or after a zero rate)."""
-        if not self.config.outer_optimizer.follow_inner_lr:
+        if not self.follows_inner_lr:
             return 1.0
         if self._inner_lr is None:
             raise ValueError("OuterSGD(follow_inner_lr=True) needs the inner learning rate: "
                              "pass inner_lr= to OuterLoop.after_inner_step")
         st, now = self.state, self._inner_lr[i]
-        if st.momentum_lr is None:
-            st.momentum_lr = [None] * len(self.names)
         then, st.momentum_lr[i] = st.momentum_lr[i], now
         return 1.0 if not then else now / then
 
@@ -354,6 +358,8 @@ class OuterLoop:
                              f"{len(self.names)}")
         self._inflight.clear()
         lrs = state.get("momentum_lr")  # absent from states saved before it existed
+        if lrs is None and anchors is not None:
+            lrs = [None] * len(anchors)
         self.state = LoopState(int(state["step"]), _copied(anchors), _copied(state["momentum"]),
                                state["sync_every"], int(state["schedule_start"]),
                                {f: (at, list(idx), _copied(outs))

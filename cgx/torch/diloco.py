@@ -130,8 +130,7 @@ class DiLoCo:
 
     def _inner_lr(self):
         """Per parameter, its group's learning rate (``OuterSGD(follow_inner_lr=True)``)."""
-        outer = self.config.outer_optimizer
-        if outer is None or not outer.follow_inner_lr:
+        if not self._loop.follows_inner_lr:
             return None
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         return [lrs[k] for k in self._group_of]

@@ -152,8 +152,7 @@ class DiLoCo(DelegatesToInner, keras.optimizers.Optimizer):
             if begin:
                 self._loop.before_inner_step(access, int(step))
             else:
-                outer = self._config.outer_optimizer
-                follow = outer is not None and outer.follow_inner_lr
+                follow = self._loop.follows_inner_lr
                 self._loop.after_inner_step(access, int(step),
                                             inner_lr=float(lr) if follow else None)
             return access.results() + [tf.constant(self._loop.next_event(), tf.int64)]
