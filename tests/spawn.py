@@ -82,14 +82,15 @@ def run_gloo(fn, world: int, *args, timeout: float = 180.0) -> list:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-        results = []
-        for r in range(world):
-            path = os.path.join(outdir, f"{r}.pt")
-            if not os.path.exists(path):
+        paths = [os.path.join(outdir, f"{r}.pt") for r in range(world)]
+        found = [torch.load(p, weights_only=False) if os.path.exists(p) else None
+                 for p in paths]
+        # a rank's own error first: the others may have been stopped because of it
+        for r, res in enumerate(found):
+            if res is not None and "error" in res:
+                raise RuntimeError(f"rank {r} failed:\n{res['error']}")
+        for r, res in enumerate(found):
+            if res is None:
                 raise RuntimeError(f"rank {r} died without a result "
                                    f"(exit code {ctx.processes[r].exitcode})")
-            res = torch.load(path, weights_only=False)
-            if "error" in res:
-                raise RuntimeError(f"rank {r} failed:\n{res['error']}")
-            results.append(res["ok"])
-        return results
+        return [res["ok"] for res in found]

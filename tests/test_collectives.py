@@ -350,6 +350,9 @@ def _residual_worker(rank, world, hierarchy):
         two_level.allreduce(a, spec, algorithm=ReductionType.SRA, residuals=ea, name="g")
     except ValueError as err:
         out["error"] = str(err)
+        # leave together: a rank that exits while another still connects its subgroups
+        # closes the sockets that one waits on
+        t.barrier()
         return out
     b, eb = [x.clone()], [torch.zeros(5000)]
     flat.allreduce(b, spec, algorithm=ReductionType.SRA, residuals=eb, name="g")
