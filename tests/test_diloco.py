@@ -154,12 +154,16 @@ def test_benchmark_method_names():
     from benchmarks.timetoacc import methods
     for name in ("cgx-diloco-h50", "cgx-diloco-h7", "cgx-diloco-auto", "cgx-diloco-streaming",
                  "cgx-diloco-h50-followlr", "cgx-diloco-streaming-followlr",
-                 "cgx-localsgd", "cgx-localsgd-h20", "torch-postlocal-sgd",
+                 "cgx-diloco-streaming-h10", "cgx-diloco-streaming-h2-followlr",
+                 "cgx-localsgd", "cgx-localsgd-h20", "cgx-localsgd-streaming",
+                 "cgx-localsgd-streaming-h10", "torch-postlocal-sgd",
                  "torch-postlocal-sgd-h10", "torchft-diloco", "torchft-diloco-h20",
                  "torchft-diloco-streaming", "torchft-diloco-streaming-h10"):
         assert methods.check(name) == name
     for bad in ("cgx-diloco-h0", "cgx-diloco", "cgx-diloco-fast", "torch-postlocal-sgd-h",
                 "cgx-localsgd-h0", "cgx-localsgd-", "cgx-localsgd-followlr",
+                "cgx-diloco-streaming-h1", "cgx-localsgd-streaming-h1",
+                "cgx-localsgd-h10-streaming", "cgx-diloco-streaming-h",
                 "torchft-diloco-h0", "torchft"):
         with pytest.raises(ValueError, match="unknown method"):
             methods.check(bad)

@@ -5,13 +5,14 @@ Names:
                            optimizer inside, Nesterov outer SGD lr 0.7 / momentum 0.9, outer
                            gradients 4-bit with error feedback)
     cgx-diloco-auto        the same, H chosen from the measured link and step time
-    cgx-diloco-streaming   Streaming DiLoCo: H = 50 in 5 fragments, each exchange overlapping
-                           the next inner step
+    cgx-diloco-streaming[-h<N>]  Streaming DiLoCo: H = N (50) in 5 fragments (N if fewer),
+                           each exchange overlapping the next inner step
     cgx-diloco-...-followlr  any of the three with ``OuterSGD(follow_inner_lr=True)``: the
                            outer momentum decays with the inner learning rate's schedule
-    cgx-localsgd[-h<N>]    cgx.torch.DiLoCo with ``outer_optimizer=None``: the ranks' parameter
-                           change averaged every N (50) steps through the same 4-bit exchange
-                           and applied as it is (local SGD; post-local SGD's, compressed)
+    cgx-localsgd[-streaming][-h<N>]  cgx.torch.DiLoCo with ``outer_optimizer=None``: the
+                           ranks' parameter change averaged every N (50) steps through the same
+                           4-bit exchange and applied as it is (local SGD; post-local SGD's,
+                           compressed); ``-streaming``: in fragments as cgx-diloco-streaming
     torch-postlocal-sgd[-h<N>]  torch.distributed's PostLocalSGDOptimizer with a
                            PeriodicModelAverager (parameters averaged exactly every N = 50
                            steps, no outer optimizer)
@@ -32,12 +33,20 @@ from benchmarks.timetoacc.counters import cgx_counters, init_cgx, ring_bytes
 
 DILOCO_METHODS = ("cgx-diloco-h50", "cgx-diloco-auto", "cgx-diloco-streaming", "cgx-localsgd",
                   "torch-postlocal-sgd", "torchft-diloco", "torchft-diloco-streaming")
-_NAME = re.compile(r"^(?:cgx-diloco-(?:h(?P<h>[1-9][0-9]*)|(?P<mode>auto|streaming))"
+_H = r"[1-9][0-9]*"
+_STREAMING_H = r"(?:[2-9]|[1-9][0-9]+)"  # a fragment's exchange overlaps 1 step: H >= 2
+_NAME = re.compile(rf"^(?:cgx-diloco-(?:h(?P<h>{_H})|(?P<auto>auto)"
+                   rf"|(?P<stream>streaming)(?:-h(?P<sh>{_STREAMING_H}))?)"
                    r"(?P<follow>-followlr)?"
-                   r"|cgx-localsgd(?:-h(?P<lh>[1-9][0-9]*))?"
-                   r"|torch-postlocal-sgd(?:-h(?P<ph>[1-9][0-9]*))?)$")
-STREAMING = {"sync_every": 50, "fragments": 5, "delay": 1}
+                   rf"|cgx-localsgd(?:(?P<lstream>-streaming)(?:-h(?P<lsh>{_STREAMING_H}))?"
+                   rf"|(?:-h(?P<lh>{_H}))?)"
+                   rf"|torch-postlocal-sgd(?:-h(?P<ph>{_H}))?)$")
 AVERAGING_PERIOD = 50  # steps between averagings of both local SGD methods (no -h<N>)
+FRAGMENTS = 5  # streaming's fragments (fewer when H is smaller)
+
+
+def _streaming(sync_every: int) -> dict:
+    return {"sync_every": sync_every, "fragments": min(FRAGMENTS, sync_every), "delay": 1}
 
 
 def handles(name: str) -> bool:
@@ -54,14 +63,16 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
     if name.startswith("torch-postlocal-sgd"):
         return _postlocal(model, make_optimizer, world, int(m.group("ph") or AVERAGING_PERIOD))
     hvd = init_cgx(model)
-    if name.startswith("cgx-localsgd"):
+    if m.group("lstream"):
+        kwargs = {**_streaming(int(m.group("lsh") or AVERAGING_PERIOD)), "outer_optimizer": None}
+    elif name.startswith("cgx-localsgd"):
         kwargs = {"sync_every": int(m.group("lh") or AVERAGING_PERIOD), "outer_optimizer": None}
     elif m.group("h"):
         kwargs = {"sync_every": int(m.group("h"))}
-    elif m.group("mode") == "auto":
+    elif m.group("auto"):
         kwargs = {"sync_every": "auto"}
     else:
-        kwargs = dict(STREAMING)
+        kwargs = _streaming(int(m.group("sh") or 50))
     if m.group("follow"):
         kwargs["outer_optimizer"] = hvd.OuterSGD(follow_inner_lr=True)
     opt = hvd.DiLoCo(model, make_optimizer(model.parameters()), **kwargs)
