@@ -85,7 +85,8 @@ def test_benchmark_gives_local_methods_more_steps():
     lines, _ = report.scenario_table([{**rec, "method": "ddp-fp32", "curve": curve(100)},
                                       {**rec, "method": "cgx-diloco-h50", "curve": curve(300)}],
                                      0.02)
-    assert "1.0000 (after 300 steps)" in lines[-1] and "after" not in lines[-2]
+    rows = [line for line in lines if line.startswith("| ")]
+    assert "1.0000 (after 300 steps)" in rows[-1] and "after" not in rows[-2]
     assert report.setting_title(("lm", "2", "100mbit")) == "lm, 2 ranks, 100 Mbit/s"
 
 
@@ -96,3 +97,23 @@ def test_without_ddp_the_target_comes_from_fsdp2_fp32_and_says_so():
     recs.append(_record("ddp-fp32", 0, 0, 1.2, 9.0))  # DDP fp32, when run, is the reference
     assert report.target_loss(recs, 0.02) == 1.2 * 1.02
     assert "DDP fp32's final loss" in report.target_title(recs, 0.02)
+
+
+def test_the_compute_bound_is_the_baselines_steps_at_the_compute_step():
+    def timed(method, reach_s, steps, compute_s):
+        r = _record(method, 0, 0, 1.0, reach_s)
+        r["curve"][1]["step"] = steps
+        return {**r, "compute_s": compute_s, "step_s": reach_s / steps, "compression_s": 0.0,
+                "samples_per_s": 1.0, "link_bytes_per_step": None,
+                "accounted_bytes_per_step": 0.0, "peak_rss_bytes": 0,
+                "curve": [{**p, "accuracy": None} for p in r["curve"]]}
+    # DDP: 100 s over 50 steps; 4-bit: 20 s over 40; compute steps 0.1, 0.2, 0.3 (median 0.2)
+    recs = [timed("ddp-fp32", 100.0, 50, 0.1), timed("cgx-4bit", 20.0, 40, 0.2),
+            timed("cgx-diloco-h50", 12.0, 60, 0.3)]
+    lines, _ = report.scenario_table(recs, slack=0.02)
+    assert lines[-1].startswith("Compute alone: 0.200 s a step")
+    assert "at most 10.0x sooner than DDP fp32 (its 50 steps)" in lines[-1]   # 100/(50*0.2)
+    assert "at most 2.5x sooner than per-step 4-bit (its 40 steps)" in lines[-1]  # 20/(40*0.2)
+    # no baseline that reached the target: no sentence
+    lines, _ = report.scenario_table([timed("cgx-diloco-h50", 12.0, 60, 0.3)], slack=0.02)
+    assert not lines[-1].startswith("Compute alone")

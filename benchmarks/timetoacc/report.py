@@ -105,7 +105,38 @@ def scenario_table(records: list[Record], slack: float) -> tuple[list[str], dict
             f"{_f(final['accuracy'] and 100 * final['accuracy'], '.1f')} | "
             f"{_f(t, '.1f', 'not reached')}{' s' if t is not None else ''}"
             f"{f' ({steps} steps)' if steps is not None else ''} | {speed} |")
+    bound = compute_bound(records, target)
+    if bound:
+        lines += ["", bound]
     return lines, {"target_loss": target, "time_to_target_s": reached}
+
+
+def compute_bound(records: list[Record], target: Optional[float]) -> Optional[str]:
+    """What the compute alone allows in this scenario, as a sentence (None without a run
+    that reached the target).
+
+    No step is shorter than a forward, backward and update without communication (each
+    run measures it: ``compute_s``). A method that reached the target in as many steps as
+    DDP fp32 (or per-step 4-bit) did, with free communication, would take those steps times
+    that: the largest speed-up over that run any method needing at least as many steps can
+    show on this machine.
+    """
+    ok = [r for r in records if "curve" in r and "compute_s" in r]
+    if not ok:
+        return None
+    compute = statistics.median(r["compute_s"] for r in ok)
+    bounds = []
+    for name, label in ((BASELINE, "DDP fp32"), ("cgx-4bit", "per-step 4-bit")):
+        run = next((r for r in ok if r["method"] == name), None)
+        t, steps = time_to(run["curve"], target) if run else (None, None)
+        if t and steps:
+            bounds.append(f"{t / (steps * compute):.1f}x sooner than {label} "
+                          f"(its {steps} steps)")
+    if not bounds or not compute > 0:
+        return None
+    return (f"Compute alone: {compute:.3f} s a step (the runs' median). With free "
+            f"communication, a method needing as many steps to the target would be at most "
+            + ", at most ".join(bounds) + ".")
 
 
 def _steps_note(r: Record, records: list[Record]) -> str:
