@@ -42,6 +42,7 @@ _NAME = re.compile(rf"^(?:cgx-diloco-(?:h(?P<h>{_H})|(?P<auto>auto)"
                    rf"|(?:-h(?P<lh>{_H}))?)"
                    rf"|torch-postlocal-sgd(?:-h(?P<ph>{_H}))?)$")
 AVERAGING_PERIOD = 50  # steps between averagings of both local SGD methods (no -h<N>)
+STREAMING_SYNC_EVERY = 50  # cgx-diloco-streaming's H (no -h<N>)
 FRAGMENTS = 5  # streaming's fragments (fewer when H is smaller)
 
 
@@ -72,7 +73,7 @@ def build(name: str, model, make_optimizer, world: int) -> dict:
     elif m.group("auto"):
         kwargs = {"sync_every": "auto"}
     else:
-        kwargs = _streaming(int(m.group("sh") or 50))
+        kwargs = _streaming(int(m.group("sh") or STREAMING_SYNC_EVERY))
     if m.group("follow"):
         kwargs["outer_optimizer"] = hvd.OuterSGD(follow_inner_lr=True)
     opt = hvd.DiLoCo(model, make_optimizer(model.parameters()), **kwargs)

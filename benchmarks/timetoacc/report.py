@@ -112,8 +112,8 @@ def scenario_table(records: list[Record], slack: float) -> tuple[list[str], dict
 
 
 def compute_bound(records: list[Record], target: Optional[float]) -> Optional[str]:
-    """What the compute alone allows in this scenario, as a sentence (None without a run
-    that reached the target).
+    """What the compute alone allows in this scenario, as a sentence (None when neither
+    DDP fp32 nor per-step 4-bit reached the target, or no step time was measured).
 
     No step is shorter than a forward, backward and update without communication (each
     run measures it: ``compute_s``). A method that reached the target in as many steps as
@@ -122,9 +122,9 @@ def compute_bound(records: list[Record], target: Optional[float]) -> Optional[st
     show on this machine.
     """
     ok = [r for r in records if "curve" in r and "compute_s" in r]
-    if not ok:
+    compute = statistics.median(r["compute_s"] for r in ok) if ok else 0.0
+    if not compute > 0:
         return None
-    compute = statistics.median(r["compute_s"] for r in ok)
     bounds = []
     for name, label in ((BASELINE, "DDP fp32"), ("cgx-4bit", "per-step 4-bit")):
         run = next((r for r in ok if r["method"] == name), None)
@@ -132,7 +132,7 @@ def compute_bound(records: list[Record], target: Optional[float]) -> Optional[st
         if t and steps:
             bounds.append(f"{t / (steps * compute):.1f}x sooner than {label} "
                           f"(its {steps} steps)")
-    if not bounds or not compute > 0:
+    if not bounds:
         return None
     return (f"Compute alone: {compute:.3f} s a step (the runs' median). With free "
             f"communication, a method needing as many steps to the target would be at most "
