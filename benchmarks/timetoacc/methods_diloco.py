@@ -43,11 +43,13 @@ _NAME = re.compile(rf"^(?:cgx-diloco-(?:h(?P<h>{_H})|(?P<auto>auto)"
                    rf"|torch-postlocal-sgd(?:-h(?P<ph>{_H}))?)$")
 AVERAGING_PERIOD = 50  # steps between averagings of both local SGD methods (no -h<N>)
 STREAMING_SYNC_EVERY = 50  # cgx-diloco-streaming's H (no -h<N>)
-FRAGMENTS = 5  # streaming's fragments (fewer when H is smaller)
 
 
 def _streaming(sync_every: int) -> dict:
-    return {"sync_every": sync_every, "fragments": min(FRAGMENTS, sync_every), "delay": 1}
+    """Streaming's settings: torchft's streaming runs' fragments (fewer when H is smaller)
+    and delay, so that the two compare like for like."""
+    frag, delay = methods_torchft.STREAMING["fragments"], methods_torchft.STREAMING["delay"]
+    return {"sync_every": sync_every, "fragments": min(frag, sync_every), "delay": delay}
 
 
 def handles(name: str) -> bool:
