@@ -117,3 +117,22 @@ def test_the_compute_bound_is_the_baselines_steps_at_the_compute_step():
     # no baseline that reached the target: no sentence
     lines, _ = report.scenario_table([timed("cgx-diloco-h50", 12.0, 60, 0.3)], slack=0.02)
     assert not lines[-1].startswith("Compute alone")
+
+
+def test_final_losses_carry_their_standard_error_and_the_target_is_set_against_ddps():
+    recs = [_record("ddp-fp32", 0, 0, 1.0, 10.0), _record("cgx-4bit", 0, 0, 1.01, 4.0)]
+    for r, se in zip(recs, (0.05, 0.04)):
+        r.update(compute_s=0.1, step_s=1.0, compression_s=0.0, samples_per_s=1.0,
+                 link_bytes_per_step=None, accounted_bytes_per_step=0.0, peak_rss_bytes=0)
+        r["curve"] = [{**p, "accuracy": None} for p in r["curve"]]
+        r["curve"][-1]["loss_se"] = se
+    lines, _ = report.scenario_table(recs, slack=0.02)
+    rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| cgx")}
+    assert "| 1.0100 ± 0.0400 |" in rows["cgx-4bit"]
+    note = next(line for line in lines if line.startswith("± is"))
+    assert "is 0.0200, 0.40 of DDP's standard error (0.0500)" in note  # 2% of 1.0 over 0.05
+    # Records made before the error was measured: no ± and no sentence.
+    for r in recs:
+        del r["curve"][-1]["loss_se"]
+    lines, _ = report.scenario_table(recs, slack=0.02)
+    assert not any("±" in line for line in lines)

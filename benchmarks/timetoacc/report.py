@@ -101,14 +101,33 @@ def scenario_table(records: list[Record], slack: float) -> tuple[list[str], dict
         lines.append(
             f"| {r['method']} | {r['samples_per_s']:.0f} | {split} | "
             f"{link} / {r['accounted_bytes_per_step'] / 1e6:.2f} | {r['peak_rss_bytes'] / 2**20:.0f} | "
-            f"{final['loss']:.4f}{_steps_note(r, records)} | "
+            f"{final['loss']:.4f}{_se(final)}{_steps_note(r, records)} | "
             f"{_f(final['accuracy'] and 100 * final['accuracy'], '.1f')} | "
             f"{_f(t, '.1f', 'not reached')}{' s' if t is not None else ''}"
             f"{f' ({steps} steps)' if steps is not None else ''} | {speed} |")
-    bound = compute_bound(records, target)
-    if bound:
-        lines += ["", bound]
+    for note in (resolution(records, slack), compute_bound(records, target)):
+        if note:
+            lines += ["", note]
     return lines, {"target_loss": target, "time_to_target_s": reached}
+
+
+def _se(point: dict) -> str:
+    """`` ± SE`` when the evaluation measured its loss's standard error."""
+    return f" ± {point['loss_se']:.4f}" if point.get("loss_se") is not None else ""
+
+
+def resolution(records: list[Record], slack: float) -> Optional[str]:
+    """What the validation set resolves, as a sentence: the target's slack against DDP
+    fp32's standard error (None when its run did not measure one)."""
+    base = _target_baseline(records)
+    se = base["curve"][-1].get("loss_se") if base else None
+    if not se:
+        return None
+    margin = slack * base["curve"][-1]["loss"]
+    return (f"± is a final loss's standard error over the validation set (the CNN's images, "
+            f"the LM's sequences). The target's {100 * slack:g}% above DDP fp32's final loss "
+            f"is {margin:.4f}, {margin / se:.2f} of DDP's standard error ({se:.4f}): final losses "
+            f"closer than about twice that error are not told apart by this validation set.")
 
 
 def compute_bound(records: list[Record], target: Optional[float]) -> Optional[str]:

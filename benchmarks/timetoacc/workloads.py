@@ -59,6 +59,12 @@ def make(name: str, rank: int, world: int, seed: int, tiny: bool = False) -> Wor
     return _cnn(size, rank, world, seed) if name == "cnn" else _lm(size, rank, world, seed)
 
 
+def standard_error(losses) -> float:
+    """The standard error of a mean validation loss, from its independent parts' losses
+    (the CNN's images, the LM's sequences: a sequence's tokens are not independent)."""
+    return float(losses.double().std() / len(losses) ** 0.5)
+
+
 def _on_model(m, *tensors) -> tuple:
     """``tensors`` on the device of ``m``'s parameters (the data is made on the CPU; the
     model is on a GPU with ``benchmarks/train.py --device cuda``)."""
@@ -136,6 +142,7 @@ def _cnn(size: Size, rank: int, world: int, seed: int) -> Workload:
         logits = m(x)
         m.train(was)
         return {"loss": float(F.cross_entropy(logits, y)),
+                "loss_se": standard_error(F.cross_entropy(logits, y, reduction="none")),
                 "accuracy": float((logits.argmax(1) == y).float().mean())}
 
     return Workload("cnn", model, loss_fn, train_batch, evaluate, size.batch,
@@ -221,10 +228,17 @@ def _lm(size: Size, rank: int, world: int, seed: int) -> Workload:
         logits = m(x)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
+    def sequence_losses(m, x, y):
+        x, y = _on_model(m, x, y)
+        logits = m(x)
+        return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)
+
     @torch.no_grad()
     def evaluate(m):
-        losses = [loss_fn(m, (val_x[i:i + 16], val_y[i:i + 16])) for i in range(0, n_val, 16)]
-        return {"loss": float(sum(losses) / len(losses)), "accuracy": None}
+        per_sequence = torch.cat([sequence_losses(m, val_x[i:i + 16], val_y[i:i + 16])
+                                  for i in range(0, n_val, 16)])
+        return {"loss": float(per_sequence.mean()), "loss_se": standard_error(per_sequence),
+                "accuracy": None}
 
     return Workload("lm", model, loss_fn, train_batch, evaluate, size.batch,
                     lambda params: torch.optim.AdamW(params, lr=2e-3, weight_decay=0.01))
