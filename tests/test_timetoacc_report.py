@@ -130,7 +130,15 @@ def test_final_losses_carry_their_standard_error_and_the_target_is_set_against_d
     rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| cgx")}
     assert "| 1.0100 ± 0.0400 |" in rows["cgx-4bit"]
     note = next(line for line in lines if line.startswith("± is"))
-    assert "is 0.0200, 0.40 of DDP's standard error (0.0500)" in note  # 2% of 1.0 over 0.05
+    assert "is 0.0200, 0.40 of DDP's standard error (0.0500)." in note  # 2% of 1.0 over 0.05
+    assert "item by item" not in note  # no items kept: no paired difference
+    # The items kept: the difference is paired. Item 0 is hard for both models, which widens
+    # either model's error but not their difference's: (0.02, 0.00, 0.01) -> +0.01 ± 0.01/sqrt(3).
+    recs[0]["curve"][-1]["item_losses"] = [2.98, 0.01, 0.01]
+    recs[1]["curve"][-1]["item_losses"] = [3.00, 0.01, 0.02]
+    lines, _ = report.scenario_table(recs, slack=0.02)
+    note = next(line for line in lines if line.startswith("± is"))
+    assert "(± its standard error): cgx-4bit +0.0100 ± 0.0058;" in note
     # Records made before the error was measured: no ± and no sentence.
     for r in recs:
         del r["curve"][-1]["loss_se"]

@@ -1,5 +1,6 @@
 """benchmarks/timetoacc/workloads.py: an evaluation reports its loss's standard error over
-the validation set's independent parts (the CNN's images, the LM's sequences)."""
+the validation set's independent parts (the CNN's images, the LM's sequences), and those
+parts' losses, for comparisons item by item."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def test_the_cnn_reports_the_standard_error_over_its_validation_images():
     assert math.isclose(res["loss"], float(per_image.mean()), rel_tol=1e-5)
     assert math.isclose(res["loss_se"], float(per_image.double().std()) / math.sqrt(len(val_y)),
                         rel_tol=1e-5)
+    assert len(res["item_losses"]) == len(val_y) > 100
+    assert math.isclose(sum(res["item_losses"]) / len(val_y), res["loss"], rel_tol=1e-5)
 
 
 def test_the_lms_loss_is_its_token_mean_and_its_error_is_over_sequences():
@@ -36,6 +39,8 @@ def test_the_lms_loss_is_its_token_mean_and_its_error_is_over_sequences():
     batch = work.train_batch(0)
     assert math.isfinite(res["loss"]) and res["accuracy"] is None
     assert 0.0 < res["loss_se"] < res["loss"]
+    items = res["item_losses"]
+    assert len(items) > 1 and math.isclose(sum(items) / len(items), res["loss"], rel_tol=1e-5)
     with torch.no_grad():  # every token predicted uniformly: log(vocab) everywhere, no spread
         for p in work.model.parameters():
             p.zero_()

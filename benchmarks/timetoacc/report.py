@@ -116,18 +116,39 @@ def _se(point: dict) -> str:
     return f" ± {point['loss_se']:.4f}" if point.get("loss_se") is not None else ""
 
 
+def paired_difference(r: Record, base: Record) -> Optional[tuple[float, float]]:
+    """``r``'s final loss minus ``base``'s over the same validation items, and that
+    difference's standard error (paired: an item hard for one model is hard for both);
+    None when either run did not keep its items' losses."""
+    a, b = r["curve"][-1].get("item_losses"), base["curve"][-1].get("item_losses")
+    if not a or not b or len(a) != len(b):
+        return None
+    d = [x - y for x, y in zip(a, b)]
+    return statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
+
+
 def resolution(records: list[Record], slack: float) -> Optional[str]:
     """What the validation set resolves, as a sentence: the target's slack against DDP
-    fp32's standard error (None when its run did not measure one)."""
+    fp32's standard error and against each method's paired difference from it (None when
+    the baseline's run did not measure its error)."""
     base = _target_baseline(records)
     se = base["curve"][-1].get("loss_se") if base else None
     if not se:
         return None
     margin = slack * base["curve"][-1]["loss"]
-    return (f"± is a final loss's standard error over the validation set (the CNN's images, "
+    text = (f"± is a final loss's standard error over the validation set (the CNN's images, "
             f"the LM's sequences). The target's {100 * slack:g}% above DDP fp32's final loss "
-            f"is {margin:.4f}, {margin / se:.2f} of DDP's standard error ({se:.4f}): final losses "
-            f"closer than about twice that error are not told apart by this validation set.")
+            f"is {margin:.4f}, {margin / se:.2f} of DDP's standard error ({se:.4f}).")
+    pairs = []
+    for r in records:
+        diff = paired_difference(r, base) if r is not base and "curve" in r else None
+        if diff is not None:
+            pairs.append(f"{r['method']} {diff[0]:+.4f} ± {diff[1]:.4f}")
+    if pairs:
+        text += (" Final loss minus DDP fp32's, item by item on the same validation set "
+                 f"(± its standard error): {', '.join(pairs)}; a difference within about "
+                 "twice its error is not told apart by this validation set.")
+    return text
 
 
 def compute_bound(records: list[Record], target: Optional[float]) -> Optional[str]:

@@ -47,7 +47,9 @@ class Workload:
     model: "object"  # torch.nn.Module
     loss_fn: Callable  # (model, batch) -> scalar loss
     train_batch: Callable[[int], tuple]  # step -> this rank's batch
-    evaluate: Callable  # model -> {"loss": float, "accuracy": float or None}
+    # model -> {"loss": float, "loss_se": its standard error, "item_losses": the validation
+    # items' (images', sequences') losses, "accuracy": float or None}
+    evaluate: Callable
     samples_per_batch: int
     optimizer: Callable  # params -> torch optimizer
 
@@ -141,8 +143,9 @@ def _cnn(size: Size, rank: int, world: int, seed: int) -> Workload:
         x, y = _on_model(m, val_x, val_y)
         logits = m(x)
         m.train(was)
-        return {"loss": float(F.cross_entropy(logits, y)),
-                "loss_se": standard_error(F.cross_entropy(logits, y, reduction="none")),
+        per_image = F.cross_entropy(logits, y, reduction="none")
+        return {"loss": float(per_image.mean()), "loss_se": standard_error(per_image),
+                "item_losses": per_image.tolist(),
                 "accuracy": float((logits.argmax(1) == y).float().mean())}
 
     return Workload("cnn", model, loss_fn, train_batch, evaluate, size.batch,
@@ -238,7 +241,7 @@ def _lm(size: Size, rank: int, world: int, seed: int) -> Workload:
         per_sequence = torch.cat([sequence_losses(m, val_x[i:i + 16], val_y[i:i + 16])
                                   for i in range(0, n_val, 16)])
         return {"loss": float(per_sequence.mean()), "loss_se": standard_error(per_sequence),
-                "accuracy": None}
+                "item_losses": per_sequence.tolist(), "accuracy": None}
 
     return Workload("lm", model, loss_fn, train_batch, evaluate, size.batch,
                     lambda params: torch.optim.AdamW(params, lr=2e-3, weight_decay=0.01))
