@@ -7,6 +7,8 @@ import math
 import statistics
 from typing import Any, Iterable, Optional
 
+from benchmarks.timetoacc.workloads import standard_error
+
 Record = dict[str, Any]
 BASELINE = "ddp-fp32"
 
@@ -124,7 +126,7 @@ def paired_difference(r: Record, base: Record) -> Optional[tuple[float, float]]:
     if not a or not b or len(a) != len(b):
         return None
     d = [x - y for x, y in zip(a, b)]
-    return statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
+    return statistics.fmean(d), standard_error(d)
 
 
 def resolution(records: list[Record], slack: float) -> Optional[str]:

@@ -17,8 +17,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import os
 import re
+import statistics
 from typing import Callable
 
 WORKLOADS = ("cnn", "lm")
@@ -63,8 +65,10 @@ def make(name: str, rank: int, world: int, seed: int, tiny: bool = False) -> Wor
 
 def standard_error(losses) -> float:
     """The standard error of a mean validation loss, from its independent parts' losses
-    (the CNN's images, the LM's sequences: a sequence's tokens are not independent)."""
-    return float(losses.double().std() / len(losses) ** 0.5)
+    (the CNN's images, the LM's sequences: a sequence's tokens are not independent), or of
+    a mean difference from its parts' differences (``report.paired_difference``)."""
+    values = [float(v) for v in losses]
+    return statistics.stdev(values) / math.sqrt(len(values))
 
 
 def _on_model(m, *tensors) -> tuple:
@@ -144,8 +148,9 @@ def _cnn(size: Size, rank: int, world: int, seed: int) -> Workload:
         logits = m(x)
         m.train(was)
         per_image = F.cross_entropy(logits, y, reduction="none")
-        return {"loss": float(per_image.mean()), "loss_se": standard_error(per_image),
-                "item_losses": per_image.tolist(),
+        items = per_image.tolist()
+        return {"loss": float(per_image.mean()), "loss_se": standard_error(items),
+                "item_losses": items,
                 "accuracy": float((logits.argmax(1) == y).float().mean())}
 
     return Workload("cnn", model, loss_fn, train_batch, evaluate, size.batch,
@@ -240,8 +245,9 @@ def _lm(size: Size, rank: int, world: int, seed: int) -> Workload:
     def evaluate(m):
         per_sequence = torch.cat([sequence_losses(m, val_x[i:i + 16], val_y[i:i + 16])
                                   for i in range(0, n_val, 16)])
-        return {"loss": float(per_sequence.mean()), "loss_se": standard_error(per_sequence),
-                "item_losses": per_sequence.tolist(), "accuracy": None}
+        items = per_sequence.tolist()
+        return {"loss": float(per_sequence.mean()), "loss_se": standard_error(items),
+                "item_losses": items, "accuracy": None}
 
     return Workload("lm", model, loss_fn, train_batch, evaluate, size.batch,
                     lambda params: torch.optim.AdamW(params, lr=2e-3, weight_decay=0.01))
