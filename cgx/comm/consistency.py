@@ -117,6 +117,14 @@ def describe(sigs: Sequence[Optional[Signature]]) -> str:
         values = {r: dict(sigs[r].fields).get(key) for r in ranks}
         if len(set(values.values())) > 1:
             lines.append(f"{key}: " + ", ".join(f"rank {r} has {v}" for r, v in values.items()))
+    if not lines:
+        # Equal signatures, unequal digests: the check's own exchange was matched with
+        # another collective issued on the same group at the same time.
+        return (f"ranks hold the same {first.kind} '{first.name}' (" +
+                ", ".join(f"{k}={v}" for k, v in first.fields) + "), but their check "
+                "received other data: another collective ran on the same process group at "
+                "the same time (from another thread, or in a different order on some "
+                "ranks); give cgx a process group that nothing else uses")
     return (f"ranks disagree on {first.kind} '{first.name}': " + "; ".join(lines) +
             ". Pass the same arguments on every rank")
 

@@ -146,9 +146,37 @@ class TorchTransport(Transport):
 
     def close(self) -> None:
         """Destroy the group if this transport owns it (joins its engine threads)."""
-        if self.owns_group and dist.is_initialized():
+        if self.owns_group and dist.is_initialized() and self._registered():
             dist.destroy_process_group(self.group)
-            self.owns_group = False
+        self.owns_group = False
+
+    @classmethod
+    def twin(cls, group: Optional[dist.ProcessGroup] = None,
+             timeout_s: Optional[float] = None) -> "TorchTransport":
+        """A transport over a new group of ``group``'s ranks (None: the world), for
+        traffic that must never interleave with ``group``'s own: a collective that
+        another thread issues on a shared group (DDP's reducer launching its
+        unused-parameter map from backward while cgx's engine sends a bucket) is
+        matched with the wrong peer call, so the ranks disagree, hang or abort.
+
+        Every member calls this at the same point. For the world, every rank of the
+        job calls it (a numbered group); for a sub-group only its members do (a group
+        named by its ranks, so one twin per set of ranks and backend: callers share it).
+        The transport owns the new group (``close()`` destroys it).
+        """
+        backend = str(dist.get_backend(group))
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        whole = len(ranks) == dist.get_world_size()
+        pg = dist.new_group(ranks=ranks, timeout=timeout, backend=backend,
+                            use_local_synchronization=not whole)
+        return cls(pg, owns_group=True, timeout_s=timeout_s)
+
+    def _registered(self) -> bool:
+        """Is the group still known to torch.distributed (``destroy_process_group()``
+        with no argument destroys every group, this one included)?"""
+        from torch.distributed.distributed_c10d import _world
+        return self.group is None or self.group in _world.pg_map
 
     def split(self, groups: Sequence[Sequence[int]]) -> "TorchTransport":
         """Sub-transport of this rank's group; every rank passes the same ``groups``."""

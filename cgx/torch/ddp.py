@@ -9,13 +9,24 @@ Example::
 The hook reduces each DDP bucket with the fused compressed allreduce (one
 segment per parameter, each with its own per-layer spec) on a background
 engine thread, so DDP's backward keeps running. ``cgx.init()`` is not needed:
-the hook uses DDP's process group.
+the hook works on DDP's ranks, through a process group of its own made from DDP's at
+the first bucket (DDP's reducer and the user's code issue collectives on DDP's group
+from the training thread; sharing it with the engine thread would mix the two).
+Every DDP setting works: ``find_unused_parameters``, ``static_graph``,
+``gradient_as_bucket_view``, ``no_sync()``, ``join()`` (with its default divisor),
+autocast with a ``GradScaler``, ``torch.compile``. At exit the engine stops and the
+group is released, so a script needs no shutdown call.
 """
 
+import atexit
+import threading
+import time
+import weakref
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cgx.adaptive.compensation import UpdateRule, update_rule_of
 from cgx.comm.consistency import agree, signature
@@ -74,6 +85,8 @@ class CGXState(PlanViews):
         if given is None or is_default(given):
             given = default_policy(self.config)  # None: the uniform CGX_COMPRESSION_* level
         self.auto = isinstance(given, AutoCompression)
+        # DDP's own settings the hook must honour (join's divisor); not pickled
+        self._ddp = weakref.ref(model) if isinstance(model, DDP) else None
         module = model.module if hasattr(model, "module") else model
         named = list(module.named_parameters())
         # One GradientPlan over all parameters: the specs, the residuals, auto's levels.
@@ -94,12 +107,20 @@ class CGXState(PlanViews):
         self.checked: set = set()  # bucket layouts every rank agreed on
 
     def reducer(self) -> Reducer:
+        """The engine and group this hook's exchanges run on (made at the first bucket):
+        a group of its own over DDP's ranks, never DDP's group itself (see
+        :func:`hook_reducer`)."""
         if self._reducer is None:
-            from cgx import runtime
-            board = runtime.progress_board() if runtime.is_initialized() else None
-            self._reducer = Reducer(TorchTransport(self.process_group), self.config,
-                                    board=board)
+            self._reducer = hook_reducer(self.process_group, self.config)
         return self._reducer
+
+    def stats(self):
+        """What the hook's exchanges cost so far, as a ``cgx.collectives.ReduceStats``:
+        ``wire_bytes`` this rank sent, ``ratio`` (an fp32 ring allreduce's bytes over
+        them), seconds per phase. Hooks over the same ranks and settings share one engine,
+        so their exchanges count together. Before the first bucket: all zeros."""
+        from cgx.collectives import ReduceStats
+        return self._reducer.snapshot() if self._reducer is not None else ReduceStats()
 
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "iteration": self.iteration,
@@ -123,6 +144,7 @@ class CGXState(PlanViews):
         state = dict(self.__dict__)
         state["process_group"] = None  # process groups do not pickle; the default is used
         state["_reducer"] = None
+        state["_ddp"] = None
         state["checked"] = set()
         return state
 
@@ -133,6 +155,65 @@ class CGXState(PlanViews):
         self.__dict__.update(state)
 
 
+# The hook's reducers, one per set of DDP ranks, backend and settings: (key) -> Reducer.
+_hook_reducers: dict = {}
+_hook_lock = threading.Lock()
+_atexit_registered = False
+RETIRE_S = 0.05  # at exit, the pause that lets Gloo's workers retire the last collective
+
+
+def hook_reducer(process_group: Optional[dist.ProcessGroup], config: Config) -> Reducer:
+    """The Reducer for hooks on ``process_group``'s ranks, over a twin group of those ranks
+    (``TorchTransport.twin``), made once and shared by every hook state over the same ranks
+    and settings (one engine thread keeps their collectives in one order).
+
+    DDP's reducer issues collectives of its own on its group from the training thread (the
+    unused-parameter map under ``find_unused_parameters=True``, the first iteration of
+    ``static_graph``, ``join()``'s shadow passes), as may the user's code; the engine
+    sending on that group at the same time would interleave with them differently on
+    different ranks (a hang, or Gloo's "Received data size doesn't match").
+    """
+    ranks = tuple(dist.get_process_group_ranks(process_group or dist.group.WORLD))
+    key = (ranks, str(dist.get_backend(process_group)), config)
+    with _hook_lock:
+        red = _hook_reducers.get(key)
+        if red is None:
+            for (r, b, _cfg) in _hook_reducers:
+                if (r, b) == key[:2] and len(ranks) != dist.get_world_size():
+                    raise ValueError(
+                        f"a cgx DDP hook over the process group of ranks {list(ranks)} "
+                        "already runs with other settings (config); every CGXState over "
+                        "one sub-group must use the same Config")
+            from cgx import runtime
+            board = runtime.progress_board() if runtime.is_initialized() else None
+            red = Reducer(TorchTransport.twin(process_group, config.timeout_s), config,
+                          board=board)
+            global _atexit_registered
+            if not _atexit_registered:
+                atexit.register(close_hook_reducers)
+                _atexit_registered = True
+            _hook_reducers[key] = red
+        return red
+
+
+def close_hook_reducers() -> None:
+    """Stop the hooks' engines and release their groups (at exit, and by tests): after
+    the last step, a script that never calls a shutdown function exits cleanly."""
+    with _hook_lock:
+        reducers = list(_hook_reducers.values())
+        _hook_reducers.clear()
+    for red in reducers:
+        red.close()
+    if reducers:
+        # The engines have left, but a Gloo worker may still be dropping the last
+        # reference to a tensor of the last collective: made in Python, it needs the GIL,
+        # which after finalization has begun it cannot take (the process then aborts:
+        # "terminate called without an active exception"). A pause lets it finish.
+        time.sleep(RETIRE_S)
+    for red in reducers:
+        red.transport.close()
+
+
 def _auto_settings(comp, error_feedback: Optional[bool]):
     """The ``Compression.auto`` settings the hook plans with: ``comp`` (a copy when
     ``error_feedback`` overrides it: the caller's object is never changed)."""
@@ -141,6 +222,17 @@ def _auto_settings(comp, error_feedback: Optional[bool]):
         comp = copy.copy(comp)
         comp.error_feedback = bool(error_feedback)
     return comp
+
+
+def _check_join(state: CGXState) -> None:
+    """The hook averages over every rank of the group, as ``ddp.join()`` does by default;
+    its other divisor (the ranks not yet joined) it does not offer."""
+    ddp = state._ddp() if getattr(state, "_ddp", None) is not None else None
+    if ddp is not None and getattr(ddp, "_divide_by_initial_world_size", True) is False:
+        raise ValueError("cgx_hook averages over all ranks of DDP's group, as "
+                         "ddp.join(divide_by_initial_world_size=True) (the default) does; "
+                         "it does not support divide_by_initial_world_size=False: leave the "
+                         "default")
 
 
 def _check_layout(state: CGXState, name: str, grads, indices) -> None:
@@ -181,6 +273,7 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     Returns a future that completes when the engine thread has reduced the
     bucket; DDP launches buckets in a fixed order, which the engine keeps.
     """
+    _check_join(state)
     red = state.reducer()
     step = state.iteration  # all buckets of one backward share the step of their key
     if bucket.is_last():
@@ -190,4 +283,10 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
     StepRecorder(state.plan, red).ready([state.index[id(p)] for p in bucket.parameters()],
                                          step, row=f"ddp.bucket{bucket.index()}")
     red.engine().submit(_reduce, (state, bucket, fut, step), label=f"ddp.bucket{bucket.index()}")
-    return fut
+    # DDP reads the future's value in C++, where an exception set as a Python result is
+    # only "Unable to cast ... to Tensor"; raised in a callback, it is the future's error.
+    return fut.then(_bucket_or_raise)
+
+
+def _bucket_or_raise(fut: torch.futures.Future) -> torch.Tensor:
+    return fut.wait()
