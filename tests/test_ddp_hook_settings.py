@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from cgx.comm.consistency import describe, signature
-from tests import ddp_settings
-from tests.spawn import free_port, run_gloo
+import ddp_settings
+from spawn import free_port, run_gloo
 
 
 def _both(rank, world, setting):

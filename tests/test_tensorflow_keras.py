@@ -353,3 +353,16 @@ def test_momentum_correction_rescales_velocity(hvd):
         cb.on_train_batch_begin(0)
         assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.05)
         assert all(np.allclose(v.numpy(), want) for v in velocity)
+
+
+def test_policies_keep_every_setting_through_get_config(hvd):
+    """A Keras reload used to lose auto's objective, trials and model plans, and saved
+    Compression.planned() as None: the rebuilt optimizer holds the same settings."""
+    policies = (hvd.Compression.auto(objective="time", trial_steps=4, model_plans=1,
+                                     recheck_every=50, trial_runoffs=0, alpha=1.5),
+                hvd.Compression.planned(bits=2, calibrate_steps=3, trials=False))
+    for comp in policies:
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=comp)
+        config = json.loads(json.dumps(opt.get_config()))
+        back = hvd.DistributedOptimizer.from_config(config)._compression
+        assert type(back) is type(comp) and vars(back) == vars(comp)

@@ -186,6 +186,20 @@ class AutoCompression(Policy):
         self.planner = planner
         self.assume_gbit = None if assume_gbit is None else float(assume_gbit)
 
+    def to_config(self) -> dict:
+        """Every constructor argument (``AutoCompression(**to_config())`` is these settings)."""
+        t = self.trials
+        return {"alpha": self.alpha, "families": list(self.families), "window": self.window,
+                "adjust_every": self.adjust_every, "warmup_steps": self.warmup_steps,
+                "bits": list(self.bits), "bucket_sizes": list(self.bucket_sizes),
+                "densities": list(self.densities), "ranks": list(self.ranks),
+                "rounding": None if self.rounding is None else self.rounding.value,
+                "error_feedback": self.error_feedback, "planner": self.planner,
+                "assume_gbit": self.assume_gbit, "objective": self.objective.value,
+                "trial_steps": t.steps, "recheck_every": t.recheck_every,
+                "drift_tolerance": t.drift_tolerance, "model_plans": self.model_plans,
+                "trial_warmup_steps": t.warmup_steps, "trial_runoffs": t.runoffs}
+
     def __repr__(self) -> str:
         return (f"AutoCompression(alpha={self.alpha:g}, families={self.families}, "
                 f"window={self.window}, adjust_every={self.adjust_every}, "

@@ -164,6 +164,20 @@ class Compressor(abc.ABC):
 
     kind: ClassVar[CompressorKind]
     summable: ClassVar[bool] = False
+    # The name its config carries (cgx.compression.configs); None: it cannot describe
+    # itself (a user's compressor).
+    config_type: ClassVar[Optional[str]] = None
+
+    def to_config(self) -> dict:
+        """The constructor arguments that rebuild this compressor, JSON-able (its state,
+        e.g. residuals, is not part of it: see :meth:`state_dict`)."""
+        raise TypeError(f"{type(self).__name__} cannot describe itself as a config; cgx's "
+                        "own compressors can (Compression.quantize(...), ...)")
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Compressor":
+        """The compressor :meth:`to_config` described."""
+        return cls(**config)
 
     @abc.abstractmethod
     def compress(self, tensor: torch.Tensor,

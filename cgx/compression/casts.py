@@ -141,6 +141,9 @@ class _CastCompressor(Compressor):
         """:meth:`Compressor.allreduce`, also callable on the class."""
         return Compressor.allreduce(self, tensor, transport, name, op)
 
+    def to_config(self) -> dict:
+        return {} if self.predivide is None else {"predivide": self.predivide}
+
     def __repr__(self) -> str:
         if self.wire_dtype is None:
             return f"{type(self).__name__}()"
@@ -157,6 +160,7 @@ class NoneCompressor(_CastCompressor):
         payload, ctx = NoneCompressor.compress(t)   # payload is t
     """
 
+    config_type = "none"
     kind = CompressorKind.NONE
     wire_dtype = None
 
@@ -172,6 +176,8 @@ class ExactCompressor(NoneCompressor):
     ``Compression.exact`` to send them exactly, whatever the environment says.
     Everywhere else it behaves like :class:`NoneCompressor`.
     """
+
+    config_type = "exact"
 
 
 class FP16Compressor(_CastCompressor):
@@ -189,6 +195,7 @@ class FP16Compressor(_CastCompressor):
         grad = FP16Compressor(predivide=4).allreduce(grad, transport)
     """
 
+    config_type = "fp16"
     kind = CompressorKind.CAST
     wire_dtype = torch.float16
 
@@ -202,5 +209,6 @@ class BF16Compressor(_CastCompressor):
     Payload: ``numel * 2`` bytes, summable.
     """
 
+    config_type = "bf16"
     kind = CompressorKind.CAST
     wire_dtype = torch.bfloat16

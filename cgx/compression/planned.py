@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from cgx.compression.policy import Policy
+from cgx.compression.trials import TrialSettings
 
 
 class PlannedCompression(Policy):
@@ -90,11 +91,25 @@ class PlannedCompression(Policy):
         self.device_profile = device_profile  # checked by cgx.planner.schedule
         if not isinstance(trials, bool):
             raise TypeError(f"trials must be True or False, got {trials!r}")
-        from cgx.compression.trials import TrialSettings
         self.trials = TrialSettings(steps=trial_steps, warmup_steps=trial_warmup_steps,
                                     runoffs=trial_runoffs,
                                     recheck_every=replan_every,
                                     drift_tolerance=self.drift_tolerance) if trials else None
+
+    def to_config(self) -> dict:
+        """Every constructor argument but ``device_profile`` (measured on the GPU at each
+        plan when not given; a given one is not saved, with a warning)."""
+        if self.device_profile is not None:
+            import warnings
+            warnings.warn("Compression.planned(device_profile=...) is not part of its config: "
+                          "a rebuilt one measures the device again", stacklevel=3)
+        t = self.trials or TrialSettings()
+        return {"bits": self.bits, "bucket_size": self.bucket_size,
+                "calibrate_steps": self.calibrate_steps, "assume_gbit": self.assume_gbit,
+                "error_feedback": self.error_feedback, "replan_every": self.replan_every,
+                "drift_tolerance": self.drift_tolerance, "trials": self.trials is not None,
+                "trial_steps": t.steps, "trial_warmup_steps": t.warmup_steps,
+                "trial_runoffs": t.runoffs}
 
     def __repr__(self) -> str:
         return (f"PlannedCompression(bits={self.bits}, bucket_size={self.bucket_size}, "

@@ -27,6 +27,14 @@ class Policy:
     name: ClassVar[str] = "policy"  # how users spell it: Compression.<name>(...)
     warmup_steps: int = 0  # exact exchange for the first steps
 
+    def to_config(self) -> dict:
+        """The constructor arguments that rebuild these settings, JSON-able."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Policy":
+        return cls(**config)
+
     def single_call_error(self) -> str:
         """What to tell a user who passes this policy to one collective."""
         return single_call_error(f"Compression.{self.name}")

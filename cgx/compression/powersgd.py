@@ -432,6 +432,13 @@ class PowerSGDCompressor(Compressor):
             for name in names:
                 table.pop(name, None)
 
+    config_type = "powersgd"
+
+    def to_config(self) -> dict:
+        return {k: getattr(self, k) for k in ("rank", "min_compression_rate", "start_step",
+                                              "warm_start", "error_feedback",
+                                              "orthogonalization_epsilon", "seed")}
+
     def __repr__(self) -> str:
         return (f"PowerSGDCompressor(rank={self.rank}, "
                 f"min_compression_rate={self.min_compression_rate}, "

@@ -181,6 +181,12 @@ class QuantizeCompressor(Compressor):
         for name in names:
             self._steps.pop(name, None)
 
+    config_type = "quantize"
+
+    def to_config(self) -> dict:
+        return {"bits": self.bits, "bucket_size": self.bucket_size,
+                "rounding": self.rounding.value, "seed": self.seed, "rotate": self.rotate}
+
     def __repr__(self) -> str:
         return (f"QuantizeCompressor(bits={self.bits}, bucket_size={self.bucket_size}, "
                 f"rounding={self.rounding.value!r}, seed={self.seed}"

@@ -150,5 +150,10 @@ class TopKCompressor(Compressor):
         indices, values = self.split(payload, ctx)
         out.index_add_(0, indices.long(), values.to(out.dtype))
 
+    config_type = "topk"
+
+    def to_config(self) -> dict:
+        return {"density": self.density}
+
     def __repr__(self) -> str:
         return f"TopKCompressor(density={self.density})"
