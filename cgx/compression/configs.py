@@ -58,6 +58,12 @@ def _same_config_type(cls, known) -> bool:
         getattr(cls, "name", None) == getattr(known, "name", None)
 
 
+def _describable(value: Any) -> bool:
+    """A compressor inside a config (ErrorFeedback's), described in turn."""
+    return isinstance(value, Compressor) or \
+        (isinstance(value, type) and issubclass(value, Compressor))
+
+
 def to_config(comp: Any) -> dict:
     """``{"type": ..., **comp.to_config()}``; a stateless class stands for itself."""
     key = type_of(comp)
@@ -65,7 +71,8 @@ def to_config(comp: Any) -> dict:
         if not issubclass(comp, _STATELESS):
             raise TypeError(f"pass an instance of {comp.__name__}, not the class")
         return {"type": key}
-    config = {"type": key, **comp.to_config()}
+    config = {"type": key, **{k: to_config(v) if _describable(v) else v
+                              for k, v in comp.to_config().items()}}
     if isinstance(comp, Compressor) and getattr(comp, "warmup_steps", 0):
         config["warmup_steps"] = comp.warmup_steps  # Compression.quantize(warmup_steps=...)
     return config
@@ -87,7 +94,8 @@ def from_config(config: Any, classes: dict | None = None) -> Any:
     if cls is None:
         raise ValueError(f"unknown compression type {kind!r} in a config; expected one of "
                          f"{sorted(TYPES)}")
-    args = {k: v for k, v in config.items() if k != "type"}
+    args = {k: from_config(v, classes) if isinstance(v, dict) and "type" in v else v
+            for k, v in config.items() if k != "type"}
     warmup = args.pop("warmup_steps", 0) if issubclass(cls, Compressor) else 0
     if issubclass(cls, _STATELESS) and not args and not warmup:
         return cls

@@ -164,13 +164,7 @@ class ErrorFeedback(Compressor):
     config_type = "error_feedback"
 
     def to_config(self) -> dict:
-        from cgx.compression.configs import to_config
-        return {"compressor": to_config(self.compressor)}
-
-    @classmethod
-    def from_config(cls, config: dict) -> "ErrorFeedback":
-        from cgx.compression.configs import from_config
-        return cls(from_config(config["compressor"]))
+        return {"compressor": self.compressor}  # described in turn by cgx.compression.configs
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.compressor!r})"
