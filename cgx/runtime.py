@@ -1,6 +1,6 @@
 """The global state of a cgx job: who we are, the config, and the transports.
 
-``cgx.init()`` discovers the world from the launcher (:mod:`cgx.launcher`),
+``cgx.init()`` discovers the world from the launcher (:mod:`cgx.launch.world`),
 reads the config (:mod:`cgx.config`) and connects the ranks through an existing
 engine:
 
@@ -25,7 +25,7 @@ hard-coded:
 * torchrun: its ``MASTER_ADDR``/``MASTER_PORT`` (and its agent's store).
 * ``MASTER_ADDR``/``MASTER_PORT`` set by the user, any launcher: used as given.
 * mpirun (Open MPI, MPICH): rank 0 opens the store on a free port, picks the
-  address the others reach it at (:func:`cgx.launcher.advertised_address`:
+  address the others reach it at (:func:`cgx.launch.world.advertised_address`:
   the interface named by ``GLOO_SOCKET_IFNAME``; ``127.0.0.1`` when the
   gathered host names show a single host; else the route to a peer host) and
   broadcasts both with mpi4py.
@@ -297,7 +297,7 @@ def cross_size() -> int:
 
 
 def world() -> WorldInfo:
-    """The full :class:`~cgx.launcher.WorldInfo` (with the measured node layout)."""
+    """The full :class:`~cgx.launch.world.WorldInfo` (with the measured node layout)."""
     return _get("world").world
 
 

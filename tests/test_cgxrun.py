@@ -1,4 +1,4 @@
-"""cgxrun (cgx.run): flags, command construction, and real launches.
+"""cgxrun (cgx.launch.cli): flags, command construction, and real launches.
 
 Parsing and command construction are tested without launching anything; the
 multiproc tests start 2 ranks through ``cgxrun --gloo`` and ``cgxrun --mpi``
@@ -442,17 +442,15 @@ def test_progress_bars_only_for_a_person(monkeypatch):
     assert not console.progress(range(3)).disable
 
 
-def test_deprecated_import_paths_still_work():
-    """cgx.run, cgx.launcher and cgx.rendezvous re-export cgx.launch for one release."""
-    import cgx.launch.rendezvous
-    import cgx.launch.world
-    import cgx.launcher
-    import cgx.rendezvous
-    import cgx.run
-    assert cgx.run.main is run.main and cgx.run.parse_args is parse_args
-    assert cgx.run.first_recorded_failure is exit_record.first_recorded_failure
-    assert cgx.launcher.discover is cgx.launch.world.discover
-    assert cgx.rendezvous.make_store is cgx.launch.rendezvous.make_store
-    out = subprocess.run([sys.executable, "-m", "cgx.run", "--help-env"], capture_output=True,
-                         text=True, timeout=60)
+def test_the_launcher_runs_as_a_module_and_the_old_paths_are_gone():
+    """``python -m cgx.launch.cli`` is ``cgxrun``; 0.2.0 removed the re-exports of 0.1.0
+    (cgx.run, cgx.launcher, cgx.rendezvous, ...: see CHANGELOG.md)."""
+    import importlib
+    out = subprocess.run([sys.executable, "-m", "cgx.launch.cli", "--help-env"],
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "CGX_COMPRESSION" in out.stdout
+    for old in ("cgx.run", "cgx.launcher", "cgx.rendezvous", "cgx.grad_plan",
+                "cgx.collectives.functional", "cgx.compression.quantization",
+                "cgx.compression.quantizer", "cgx.compression.wire", "cgx.compression.cpu"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)

@@ -32,8 +32,6 @@ LAYERS = (
     ("exchange", ("cgx.exchange", "cgx.ops")),
     ("local steps", ("cgx.diloco",)),
     ("adapters", ("cgx.torch", "cgx.tensorflow", "cgx")),
-    ("deprecated paths", ("cgx.run", "cgx.launcher", "cgx.rendezvous",
-                          "cgx.collectives.functional", "cgx.grad_plan")),
     ("benchmarks", ("benchmarks",)),
 )
 
@@ -161,29 +159,3 @@ def test_every_package_ships():
     found |= {"cgx.kernels"}
     assert found == listed, f"setup.cfg [options] packages differs: add {sorted(found - listed)}, " \
                             f"remove {sorted(listed - found)}"
-
-
-def test_moved_modules_keep_their_old_import_paths():
-    """The exchange, the quantization modules and the functional collectives moved; their
-    old paths re-export the same objects for one release (the launch modules' are checked
-    in test_cgxrun.py)."""
-    import importlib
-    pairs = {"cgx.grad_plan": ("cgx.exchange", "GradientPlan", "GradMode", "unique_names",
-                               "ready_order_buckets"),
-             "cgx.collectives.functional": ("cgx.ops", "reduce_tensors", "Sum", "group_size"),
-             "cgx.compression.quantization": ("cgx.quant.codec", "QuantSpec", "quantize"),
-             "cgx.compression.quantizer": ("cgx.compression.quantize", "QuantizeCompressor"),
-             "cgx.compression.wire": ("cgx.quant.wire", "packed_nbytes", "noise_key",
-                                      "WIRE_VERSION"),
-             "cgx.compression.cpu": ("cgx.quant.cpu", "quantize", "dequantize", "available")}
-    renamed = {"cgx.adaptive": {"Plan": "LevelChoice", "format_plan": "format_levels"},
-               "cgx.planner": {"Plan": "ExchangePlan", "format_plan": "format_exchange",
-                               "Timeline": "SimulatedStep"}}
-    for module, names in renamed.items():
-        m = importlib.import_module(module)
-        for old, new in names.items():
-            assert getattr(m, old) is getattr(m, new), f"{module}.{old}"
-    for old, (new, *names) in pairs.items():
-        was, now = importlib.import_module(old), importlib.import_module(new)
-        for name in names:
-            assert getattr(was, name) is getattr(now, name), f"{old}.{name}"

@@ -49,7 +49,7 @@ def _clean(monkeypatch):
 # -- import cost ------------------------------------------------------------------------
 
 def test_import_cgx_is_cheap():
-    code = ("import sys, cgx, cgx.launch.cli, cgx.launcher, cgx.run, cgx.runtime; "
+    code = ("import sys, cgx, cgx.launch.cli, cgx.launch.world, cgx.runtime; "
             "assert not cgx.is_initialized(); "
             "heavy = [m for m in ('torch', 'tensorflow', 'triton', 'mpi4py') if m in sys.modules]; "
             "print(heavy)")

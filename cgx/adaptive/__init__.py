@@ -23,8 +23,8 @@ follows the optimizer's update rule (:mod:`.compensation`). Used by
 
 from cgx.adaptive.candidates import Candidate, Family, candidates_for
 from cgx.adaptive.compensation import UpdateRule, update_rule_of
-from cgx.adaptive.schedule import AdaptiveSchedule, AutoCompression, format_levels, format_plan
-from cgx.adaptive.solver import LevelChoice, Plan, solve
+from cgx.adaptive.schedule import AdaptiveSchedule, AutoCompression, format_levels
+from cgx.adaptive.solver import LevelChoice, solve
 
 __all__ = ["Candidate", "Family", "candidates_for", "UpdateRule", "update_rule_of", "AdaptiveSchedule", "AutoCompression",
-           "format_levels", "format_plan", "LevelChoice", "Plan", "solve"]
+           "format_levels", "LevelChoice", "solve"]

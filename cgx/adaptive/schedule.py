@@ -542,6 +542,5 @@ def format_levels(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-format_plan = format_levels  # the former name, kept one release
 
-__all__ = ["AdaptiveSchedule", "AutoCompression", "format_levels", "format_plan"]
+__all__ = ["AdaptiveSchedule", "AutoCompression", "format_levels"]

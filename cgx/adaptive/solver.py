@@ -197,6 +197,3 @@ def solve(costs: Sequence[Sequence[float]], errors: Sequence[Sequence[float]], b
         raise ValueError("no plan meets the error budget (and no reference plan was given)")
     cost, err = total(best)
     return LevelChoice([int(j) for j in best], cost, err, float(budget))
-
-
-Plan = LevelChoice  # the former name, kept one release

@@ -36,7 +36,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from cgx.comm.base import Transport
-from cgx.compression import wire
+from cgx.quant import wire
 from cgx.quant.codec import dequantize, quantize
 from cgx.collectives import offload
 from cgx.collectives.layout import Block, Piece, FusionLayout

@@ -22,9 +22,8 @@ simulated step time.
 """
 
 from cgx.planner.costs import AlphaBeta, Collective, CostModel, Option, TensorProfile, options_for
-from cgx.planner.simulator import SimulatedStep, Timeline, simulate
-from cgx.planner.strategy import ExchangePlan, Plan, format_exchange, format_plan, plan
+from cgx.planner.simulator import SimulatedStep, simulate
+from cgx.planner.strategy import ExchangePlan, format_exchange, plan
 
 __all__ = ["AlphaBeta", "Collective", "CostModel", "Option", "TensorProfile", "options_for",
-           "SimulatedStep", "Timeline", "simulate", "ExchangePlan", "Plan", "format_exchange",
-           "format_plan", "plan"]
+           "SimulatedStep", "simulate", "ExchangePlan", "format_exchange", "plan"]

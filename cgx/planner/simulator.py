@@ -100,6 +100,3 @@ def simulate(tensors: Sequence[TensorProfile], choice: Sequence[Option],
         cpu += g.cpu
     return SimulatedStep(finish(lanes, backward_s, tail_s, cpu), backward_s, tail_s, tuple(spans),
                     cpu)
-
-
-Timeline = SimulatedStep  # the former name, kept one release

@@ -374,7 +374,3 @@ def format_exchange(p: ExchangePlan, limit: Optional[int] = None) -> str:
     if limit is not None and len(order) > limit:
         lines.append(f"| ({len(order) - limit} smaller tensors) | | | | | |")
     return "\n".join(lines)
-
-
-# The former names, kept one release.
-Plan, format_plan = ExchangePlan, format_exchange
