@@ -152,6 +152,36 @@ def case_process_sets_tf(hvd) -> dict:
     return out
 
 
+def case_broadcast_inplace_tf(hvd) -> dict:
+    """``hvd.broadcast_([var], root_rank)`` in a ``tf.compat.v1`` session (reference and
+    resource variables), in a ``tf.function`` and eagerly, from every root: what the
+    returned tensor and the variable hold afterwards (Horovod's
+    test_horovod_broadcast_inplace_cpu, in small)."""
+    import tensorflow as tf
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+    for root in range(n):
+        for dtype in (tf.int8, tf.int64, tf.float16, tf.float32, tf.bool):
+            def start():
+                return tf.cast(tf.ones([3, 2]) * (r % 2 if dtype == tf.bool else r), dtype)
+            for use_resource in (False, True):
+                with tf.Graph().as_default():
+                    var = tf.compat.v1.Variable(start(), use_resource=use_resource)
+                    with tf.compat.v1.Session() as sess:
+                        sess.run(tf.compat.v1.global_variables_initializer())
+                        b, = hvd.broadcast_([var], root)
+                        out[f"graph-{'resource' if use_resource else 'ref'}-{dtype.name}-{root}"] \
+                            = [sess.run(b).tolist(), sess.run(var).tolist(), b.dtype.name]
+            var = tf.Variable(start())
+            b, = hvd.broadcast_([var], root)
+            out[f"eager-{dtype.name}-{root}"] = [b.numpy().tolist(), var.numpy().tolist()]
+            var = tf.Variable(start())
+            fn = tf.function(lambda v=var, root=root: hvd.broadcast_([v], root)[0])
+            out[f"function-{dtype.name}-{root}"] = [fn().numpy().tolist(), var.numpy().tolist()]
+    return out
+
+
 CASES = {name[5:]: fn for name, fn in dict(globals()).items() if name.startswith("case_")}
 
 

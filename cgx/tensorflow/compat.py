@@ -79,10 +79,13 @@ def gpu_available(ext_base_name=None, verbose=False) -> bool:
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
-    """In-place broadcast of ``variables`` from ``root_rank``; returns them."""
-    from cgx.tensorflow.ops import broadcast_variables
-    broadcast_variables(list(variables), root_rank, process_set=process_set)
-    return variables
+    """In-place broadcast of ``variables`` from ``root_rank``. Returns, eagerly, the
+    variables (assigned); in a graph (``tf.compat.v1`` sessions, ``tf.function``), one
+    tensor per variable that reads it after the assignment: running it runs the broadcast
+    (Horovod's ``broadcast_``; the op alone would never run in a session)."""
+    from cgx.tensorflow.ops import assign_broadcast
+    assigns = assign_broadcast(list(variables), root_rank, process_set=process_set)
+    return variables if tf.executing_eagerly() else assigns
 
 
 def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):

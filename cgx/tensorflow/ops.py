@@ -305,11 +305,25 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 
         hvd.broadcast_variables(model.variables, root_rank=0)
     """
+    assigns = assign_broadcast(variables, root_rank, process_set)
+    if tf.executing_eagerly():
+        return None
+    if not assigns:
+        return tf.no_op()
+    return tf.group(*[a for a in assigns if isinstance(a, (tf.Tensor, tf.Operation))])
+
+
+def assign_broadcast(variables, root_rank, process_set=global_process_set) -> list:
+    """Assign ``root_rank``'s values to ``variables``; returns each variable's assignment:
+    in a graph (``tf.compat.v1`` sessions, ``tf.function``), tensors that read the value
+    after it (running one runs the broadcast and the assignment), as Horovod's
+    ``broadcast_`` returns; eagerly, the assignments are done."""
     g = resolve_process_set(process_set)
     _check_root(root_rank, g)
     variables = list(variables)
     if not variables or group_size(g) == 1:
-        return None if tf.executing_eagerly() else tf.no_op()
+        return [tf.identity(v) for v in variables] if not tf.executing_eagerly() else \
+            list(variables)
     values = [tf.convert_to_tensor(v) for v in variables]
 
     def call(key, *xs):
@@ -320,10 +334,7 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
     name = "broadcast_variables" if tf.executing_eagerly() else None
     new, _ = collective(call, values, [v.dtype for v in values], [v.shape for v in values],
                         "broadcast_variables", name, g)
-    assigns = [v.assign(n) for v, n in zip(variables, new)]
-    if tf.executing_eagerly():
-        return None
-    return tf.group(*[a for a in assigns if isinstance(a, (tf.Tensor, tf.Operation))])
+    return [v.assign(n) for v, n in zip(variables, new)]
 
 
 def broadcast_object(obj=None, root_rank=0, session=None, name=None,
