@@ -29,6 +29,7 @@ LAYERS = (
     ("session", ("cgx.session", "cgx.capabilities")),
     ("deciders", ("cgx.adaptive", "cgx.planner")),
     ("deciding", ("cgx.deciding",)),
+    ("policy", ("cgx.policy",)),
     ("exchange", ("cgx.exchange", "cgx.ops")),
     ("local steps", ("cgx.diloco",)),
     ("adapters", ("cgx.torch", "cgx.tensorflow", "cgx")),

@@ -168,6 +168,11 @@ class Compressor(abc.ABC):
     # itself (a user's compressor).
     config_type: ClassVar[Optional[str]] = None
 
+    @property
+    def inner(self) -> "Compressor":
+        """The compressor that encodes (itself; a wrapper's: the one it wraps)."""
+        return self
+
     def to_config(self) -> dict:
         """The constructor arguments that rebuild this compressor, JSON-able (its state,
         e.g. residuals, is not part of it: see :meth:`state_dict`)."""

@@ -163,6 +163,10 @@ class ErrorFeedback(Compressor):
 
     config_type = "error_feedback"
 
+    @property
+    def inner(self) -> Compressor:
+        return self.compressor
+
     def to_config(self) -> dict:
         return {"compressor": self.compressor}  # described in turn by cgx.compression.configs
 

@@ -9,7 +9,7 @@
 """
 
 from cgx.exchange.buckets import FIRST_BUCKET_BYTES, ready_order_buckets
-from cgx.exchange.modes import GradMode
+from cgx.policy import GradMode
 from cgx.exchange.options import ExchangeOptions, check_wrapped_once, unique_names
 from cgx.exchange.plan import GradientPlan
 

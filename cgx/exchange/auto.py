@@ -29,7 +29,8 @@ from cgx.compression import ErrorFeedback
 from cgx.compression.auto import Objective
 from cgx.compression.planned import PlannedCompression
 from cgx.deciding import Decider
-from cgx.exchange.modes import Call, GradMode, Mode, Settings, reduce_family, reduce_fused
+from cgx.exchange.modes import Call, Mode, Settings, reduce_family, reduce_fused
+from cgx.policy import GradMode
 from cgx.quant.codec import QuantSpec
 
 
@@ -228,7 +229,7 @@ class Auto(Mode):
     def _reduce_family(self, red, family: Family, ws: list, names: list, chosen: list,
                        shadow: bool) -> None:
         comp = self.topk if family is Family.TOPK else self.powersgd
-        inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
+        inner = comp.inner
         for n, c in zip(names, chosen):
             if family is Family.TOPK:
                 inner.densities[n] = c.density

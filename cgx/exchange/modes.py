@@ -8,7 +8,6 @@ shared :class:`Settings` (op, predivide, error feedback, the residual store).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from typing import Optional, Sequence
 
@@ -17,18 +16,8 @@ import torch
 from cgx.adaptive.compensation import UpdateRule
 from cgx.comm.base import ReduceOp
 from cgx.exchange.residuals import ResidualStore
+from cgx.policy import GradMode
 from cgx.quant.codec import FLOAT_DTYPES
-
-
-class GradMode(enum.Enum):
-    """How a list of gradients travels."""
-
-    EXACT = "exact"  # plain fused allreduce
-    QUANTIZE = "quantize"  # fused compressed allreduce (SRA/ring/allgather), per-layer specs
-    SUMMABLE = "summable"  # cast payloads (fp16, bf16, Horovod-style), fused plain allreduce
-    PER_TENSOR = "per_tensor"  # top-k, PowerSGD: the compressor's own reduction, per bucket
-    AUTO = "auto"  # per-layer levels chosen within an error budget (cgx.adaptive)
-    PLANNED = "planned"  # per tensor exact or quantized, as the planner decides (cgx.planner)
 
 
 @dataclasses.dataclass

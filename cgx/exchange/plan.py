@@ -41,51 +41,23 @@ from typing import Optional, Sequence
 import torch
 
 from cgx import runtime, session
-from cgx.adaptive.compensation import UpdateRule, compensation_for, error_feedback_for
+from cgx.adaptive.compensation import UpdateRule, compensation_for
 from cgx.comm.base import ReduceOp
-from cgx.compression import (AutoCompression, Compression, CompressorKind,
-                             ErrorFeedback, ExactCompressor, QuantizeCompressor,
-                             default_policy, is_default, resolve)
-from cgx.compression.planned import PlannedCompression
-from cgx.config import AutoObjective, Config
+from cgx.compression import Compression
+from cgx.config import Config
 from cgx.exchange.auto import Auto
-from cgx.exchange.modes import Call, Fused, GradMode, Mode, PerTensor, Planned, Settings, Summable
+from cgx.exchange.modes import Call, Fused, Mode, PerTensor, Planned, Settings, Summable
+from cgx.policy import ExchangePolicy, GradMode
+from cgx.policy import resolve as resolve_policy
 from cgx.exchange.residuals import ResidualStore
 from cgx.rules import LayerRules
 
 STATE_FORMAT = 1
 
 
-def choose_mode(comp, cfg: Config, update_rule: UpdateRule):
-    """``(compressor, mode, base config, error feedback)`` for a ``compression=`` argument:
-    ``Compression.none`` follows ``CGX_COMPRESSION`` (:func:`cgx.compression.default_policy`)."""
-    if is_default(comp):
-        comp = default_policy(cfg) or comp
-    if isinstance(comp, AutoCompression):
-        if comp.objective is AutoObjective.TIME and comp.error_feedback is None:
-            # the deciding exchange: residuals as the fixed default keeps them (the error
-            # budget is the uniform default's, and residuals cost step time on every plan)
-            return comp, GradMode.AUTO, cfg, cfg.error_feedback
-        return comp, GradMode.AUTO, cfg, error_feedback_for(comp.error_feedback, update_rule,
-                                                            cfg.error_feedback)
-    if isinstance(comp, PlannedCompression):
-        return (comp, GradMode.PLANNED, cfg.replace(bits=comp.bits, bucket_size=comp.bucket_size),
-                comp.error_feedback)
-    if isinstance(comp, ExactCompressor):
-        return comp, GradMode.EXACT, cfg, False
-    if comp.kind is CompressorKind.NONE:
-        mode = GradMode.QUANTIZE if cfg.quantization_enabled else GradMode.EXACT
-        return comp, mode, cfg, cfg.error_feedback
-    inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
-    if isinstance(inner, QuantizeCompressor):
-        base = cfg.replace(bits=inner.bits, bucket_size=inner.bucket_size,
-                           rounding=inner.rounding)
-        return comp, GradMode.QUANTIZE, base, isinstance(comp, ErrorFeedback)
-    return comp, GradMode.SUMMABLE if comp.summable else GradMode.PER_TENSOR, cfg, False
-
-
-def make_mode(mode: GradMode, settings: Settings, comp, names, shapes, specs, base) -> Mode:
+def make_mode(policy: ExchangePolicy, settings: Settings, names, shapes, specs) -> Mode:
     """The mode object that reduces the plan's tensors."""
+    mode, comp, base = policy.mode, policy.compressor, policy.base
     if mode is GradMode.AUTO:
         return Auto(settings, comp, names, shapes, specs, base)
     if mode is GradMode.PLANNED:
@@ -106,7 +78,8 @@ class GradientPlan:
     Args:
         names: one name per gradient (variable path); keys rules and state.
         shapes: one shape per gradient.
-        compression: a ``compression=`` argument (see the module docstring).
+        compression: a ``compression=`` argument (see the module docstring), or the
+            :class:`cgx.policy.ExchangePolicy` an adapter resolved it to.
         op: ``ReduceOp.AVERAGE`` or ``ReduceOp.SUM``.
         predivide: with AVERAGE, divide by this before the sum and by
             ``size / predivide`` after.
@@ -135,9 +108,11 @@ class GradientPlan:
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"gradients reduce with op Average or Sum, got {op!r}")
         cfg = config if config is not None else runtime.config()
-        comp, mode, base, error_feedback = choose_mode(resolve(compression), cfg,
-                                                       update_rule)
-        layer_rules = LayerRules.from_config(base, rules)
+        policy = compression if isinstance(compression, ExchangePolicy) else \
+            resolve_policy(compression, cfg, update_rule)
+        comp, mode, error_feedback = policy.compressor, policy.mode, policy.error_feedback
+        layer_rules = LayerRules.from_config(policy.base, rules)
+        self.policy = policy
         self.names = list(names)
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         self.compression, self.op, self.mode = comp, op, mode
@@ -146,7 +121,7 @@ class GradientPlan:
         self.specs = [layer_rules.spec_for(n, s) if mode not in (GradMode.EXACT,
                                                                   GradMode.SUMMABLE)
                       else None for n, s in zip(self.names, self.shapes)]
-        if getattr(getattr(comp, "compressor", comp), "rotate", False) is True:
+        if policy.rotate:
             self.specs = [s and dataclasses.replace(s, rotate=True) for s in self.specs]
         self.step = 0
         self.group = group
@@ -154,11 +129,10 @@ class GradientPlan:
                                        compensation_for(error_feedback, update_rule,
                                                         cfg.compensation))
         settings = Settings(op, self.predivide, error_feedback, self.residuals, update_rule)
-        self.reduction = make_mode(mode, settings, comp, self.names, self.shapes, self.specs,
-                                   base)
+        self.reduction = make_mode(policy, settings, self.names, self.shapes, self.specs)
         # Exact exchange for the first steps (Compression.quantize/topk(warmup_steps=...),
         # PowerSGD's start_step plays that role for it).
-        self.warmup_steps = int(getattr(comp, "warmup_steps", 0) or 0)
+        self.warmup_steps = policy.warmup_steps
 
     @property
     def adaptive(self):

@@ -76,10 +76,10 @@ from cgx.collectives import reduce_scatter as rs
 from cgx.comm.torch_dist import all_gather_single, reduce_scatter_single
 from cgx.collectives.sharded import Levels, ShardState, Topology, all_gather_flat, \
     reduce_scatter_flat
-from cgx.compression import (AutoCompression, Compression, CompressorKind, ErrorFeedback,
-                             ExactCompressor, Policy, QuantizeCompressor, as_compressor,
-                             is_policy_name)
-from cgx.config import MAX_BITS, MIN_BITS, Rounding
+from cgx.compression import Compression
+from cgx.config import MAX_BITS, MIN_BITS, CompressionMode, Rounding
+from cgx.policy import GradMode
+from cgx.policy import resolve as resolve_policy
 from cgx.errors import NotInitializedError
 from cgx.quant.codec import QuantSpec
 
@@ -334,51 +334,55 @@ def _check_mesh(model) -> None:
                          f"{tr.device.type} tensors; initialize cgx for the same device")
 
 
-def _resolve(compression, what: str):
-    """(QuantSpec or None, error feedback) for one level's ``compression=``."""
-    if isinstance(compression, Policy) or is_policy_name(compression):
+def _policy(compression, what: str):
+    """One level's ``compression=`` as FSDP reads it: ``Compression.none`` is the
+    ``CGX_COMPRESSION_*`` quantization (``CGX_COMPRESSION``'s deciding exchange plans
+    replicated gradients, not shards)."""
+    cfg = runtime.config().replace(compression=CompressionMode.QUANTIZE)
+    policy = resolve_policy(compression, cfg)
+    if policy.mode is GradMode.PLANNED:
         raise ValueError(f"{what}={compression!r}: the planned policy is not available for "
                          "FSDP; pass Compression.quantize(bits=...), Compression.exact, or "
                          "compression='auto' (a level per parameter group)")
-    comp = as_compressor(compression)
-    inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
-    if isinstance(inner, QuantizeCompressor):
-        return inner.spec, isinstance(comp, ErrorFeedback)
-    if isinstance(comp, ExactCompressor):
+    return policy
+
+
+def _fixed_level(compression, what: str):
+    """(QuantSpec or None, error feedback) for one level's fixed ``compression=``."""
+    policy = _policy(compression, what)
+    if policy.mode is GradMode.AUTO:
+        raise ValueError(f"{what} takes a fixed level (Compression.quantize(...)); 'auto' is "
+                         "for compression= over all ranks, without cross_compression")
+    if policy.mode is GradMode.QUANTIZE:
+        return policy.quant_spec, policy.error_feedback
+    if policy.mode is GradMode.EXACT:
         return None, False
-    if comp.kind is CompressorKind.NONE:
-        cfg = runtime.config()
-        if not cfg.quantization_enabled:
-            return None, False
-        return QuantSpec(cfg.bits, cfg.bucket_size, cfg.rounding), cfg.error_feedback
-    raise ValueError(f"{what}={type(inner).__name__} is not supported by cgx.torch.fsdp: pass "
-                     "Compression.quantize(...), Compression.none or Compression.exact (for a "
-                     "fp16/bf16 reduce-scatter, use FSDP2's MixedPrecisionPolicy(reduce_dtype=...))")
+    raise ValueError(f"{what}={type(policy.compressor.inner).__name__} is not supported by "
+                     "cgx.torch.fsdp: pass Compression.quantize(...), Compression.none or "
+                     "Compression.exact (for a fp16/bf16 reduce-scatter, use FSDP2's "
+                     "MixedPrecisionPolicy(reduce_dtype=...))")
 
 
 def _group_levels(compression, cross_compression) -> Optional[GroupLevels]:
     """``compression="auto"`` (or ``Compression.auto(...)``): each group's level by auto's
     knapsack; None for a fixed compression."""
-    if isinstance(cross_compression, AutoCompression) or is_policy_name(cross_compression):
-        raise ValueError("cross_compression takes a fixed level (Compression.quantize(...)); "
-                         "'auto' is for compression= over all ranks, without cross_compression")
-    if not (isinstance(compression, AutoCompression) or is_policy_name(compression)):
+    if cross_compression is not None:
+        _fixed_level(cross_compression, "cross_compression")  # auto there: refused
+    policy = _policy(compression, "compression")
+    if policy.mode is not GradMode.AUTO:
         return None
     if cross_compression is not None:
         raise ValueError("compression='auto' chooses one level per group over all ranks; "
                          "cross_compression (hierarchical) takes fixed levels: pass "
                          "Compression.quantize(...) for both, or leave cross_compression out")
-    settings = compression if isinstance(compression, AutoCompression) else Compression.auto()
-    cfg = runtime.config()
-    ef = cfg.error_feedback if settings.error_feedback is None else settings.error_feedback
-    return GroupLevels(settings, cfg, ef)
+    return GroupLevels(policy.compressor, policy.base, policy.error_feedback)
 
 
 def _levels(compression, cross_compression) -> Optional[Levels]:
-    inner, ef = _resolve(compression, "compression")
+    inner, ef = _fixed_level(compression, "compression")
     if cross_compression is None:
         return None if inner is None else Levels(inner, None, ef)
-    cross, cross_ef = _resolve(cross_compression, "cross_compression")
+    cross, cross_ef = _fixed_level(cross_compression, "cross_compression")
     return Levels(inner, cross, ef or cross_ef)
 
 
@@ -394,5 +398,4 @@ def _params_spec(params_bits) -> Optional[QuantSpec]:
 
 
 def _seed(compression) -> int:
-    comp = compression.compressor if isinstance(compression, ErrorFeedback) else compression
-    return comp.seed if isinstance(comp, QuantizeCompressor) else runtime.config().seed
+    return _policy(compression, "compression").seed

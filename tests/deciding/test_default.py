@@ -43,17 +43,13 @@ def test_quantize_and_auto_keep_their_meaning():
 
 
 def test_exact_stays_exact_under_every_mode():
-    from cgx.exchange.modes import GradMode
-    from cgx.exchange.plan import choose_mode
-    from cgx.adaptive.compensation import UpdateRule
+    from cgx.policy import GradMode, resolve
     for mode in CompressionMode:
-        cfg = Config(compression=mode)
-        assert choose_mode(Compression.exact(), cfg, UpdateRule.UNKNOWN)[1] is GradMode.EXACT
-    decide = choose_mode(Compression.none(), Config(), UpdateRule.UNKNOWN)
-    assert decide[1] is GradMode.AUTO and decide[0].objective is AutoObjective.TIME
+        assert resolve(Compression.exact(), Config(compression=mode)).mode is GradMode.EXACT
+    decide = resolve(Compression.none(), Config())
+    assert decide.mode is GradMode.AUTO and decide.compressor.objective is AutoObjective.TIME
     # quantization turned off: the default is exact, no trials (their budget would be 0)
-    off = choose_mode(Compression.none(), Config(bits=32), UpdateRule.UNKNOWN)
-    assert off[1] is GradMode.EXACT
+    assert resolve(Compression.none(), Config(bits=32)).mode is GradMode.EXACT
 
 
 def test_where_no_plan_can_be_made_the_default_sends_the_fixed_level():

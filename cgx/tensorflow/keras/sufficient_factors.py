@@ -440,17 +440,16 @@ def check_compression(compression) -> None:
     """The plain fallback reduces one layer at a time with a fixed compression: the
     per-layer planners (``"auto"``, ``planned()``) plan the whole model and cannot."""
     from cgx import runtime
-    from cgx.compression import AutoCompression, is_default, resolve
-    from cgx.compression.planned import PlannedCompression
-    from cgx.config import CompressionMode
+    from cgx.config import CompressionMode, Config
+    from cgx.policy import resolve as resolve_policy
     from cgx.tensorflow.ops import tf_side_compressor
     if tf_side_compressor(compression) is not None:
         raise ValueError("sufficient_factors= works with cgx's compressors (Compression.*), "
                          "not with a TensorFlow-side compressor object")
-    comp = resolve(compression)
-    if isinstance(comp, (AutoCompression, PlannedCompression)) or (
-            is_default(comp) and runtime.is_initialized()
-            and runtime.config().compression is CompressionMode.AUTO):
+    cfg = runtime.config() if runtime.is_initialized() else Config()
+    if cfg.compression is CompressionMode.DECIDE:  # here the default is fixed quantization
+        cfg = cfg.replace(compression=CompressionMode.QUANTIZE)
+    if resolve_policy(compression, cfg).chooses:
         raise ValueError("sufficient_factors= on the Keras optimizer takes a fixed "
                          "compression (quantize, fp16, exact, ...), not a per-model plan "
                          "(auto, planned): the plain fallback reduces one layer at a time. "
