@@ -30,8 +30,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cgx.adaptive.compensation import UpdateRule, update_rule_of
 from cgx.comm.consistency import agree, signature
-from cgx.compression import AutoCompression, Compression, default_policy, is_default, resolve
 from cgx.exchange import ExchangeOptions, GradientPlan
+from cgx.policy import GradMode
+from cgx.policy import resolve as resolve_policy
 from cgx.torch.plan_views import PlanViews
 from cgx.exchange.step import StepRecorder
 from cgx.torch.bucket_exchange import copy_back
@@ -81,23 +82,16 @@ class CGXState(PlanViews):
         ExchangeOptions.checked("CGXState", rules=rules)  # bad rules fail here, not in a hook
         self.config = config or Config.from_env()
         self.process_group = process_group
-        given = None if compression is None else resolve(compression)
-        if given is None or is_default(given):
-            given = default_policy(self.config)  # None: the uniform CGX_COMPRESSION_* level
-        self.auto = isinstance(given, AutoCompression)
+        rule = UpdateRule.UNKNOWN if optimizer is None else update_rule_of(optimizer)
+        policy = resolve_policy(compression, self.config, rule, error_feedback=error_feedback)
+        self.auto = policy.mode is GradMode.AUTO
         # DDP's own settings the hook must honour (join's divisor); not pickled
         self._ddp = weakref.ref(model) if isinstance(model, DDP) else None
         module = model.module if hasattr(model, "module") else model
         named = list(module.named_parameters())
         # One GradientPlan over all parameters: the specs, the residuals, auto's levels.
-        self.plan = GradientPlan(
-            [n for n, _ in named], [tuple(p.shape) for _, p in named],
-            _auto_settings(given, error_feedback) if self.auto
-            else given if given is not None else Compression.none,
-            rules=rules, update_rule=UpdateRule.UNKNOWN if optimizer is None
-            else update_rule_of(optimizer),
-            config=self.config if error_feedback is None or self.auto
-            else self.config.replace(error_feedback=bool(error_feedback)))
+        self.plan = GradientPlan([n for n, _ in named], [tuple(p.shape) for _, p in named],
+                                 policy, rules=rules, update_rule=rule, config=self.config)
         self.error_feedback = self.plan.error_feedback
         self.index = {id(p): i for i, (_, p) in enumerate(named)}
         # -- internal state (checkpointed) --
@@ -214,16 +208,6 @@ def close_hook_reducers() -> None:
         red.transport.close()
 
 
-def _auto_settings(comp, error_feedback: Optional[bool]):
-    """The ``Compression.auto`` settings the hook plans with: ``comp`` (a copy when
-    ``error_feedback`` overrides it: the caller's object is never changed)."""
-    import copy
-    if error_feedback is not None:
-        comp = copy.copy(comp)
-        comp.error_feedback = bool(error_feedback)
-    return comp
-
-
 def _check_join(state: CGXState) -> None:
     """The hook averages over every rank of the group, as ``ddp.join()`` does by default;
     its other divisor (the ranks not yet joined) it does not offer."""
@@ -252,10 +236,7 @@ def _check_layout(state: CGXState, name: str, grads, indices) -> None:
 def _reduce(state: CGXState, bucket: dist.GradBucket, fut: torch.futures.Future,
             step: int) -> None:
     try:
-        indices = [state.index[id(p)] for p in bucket.parameters()]
-        # each gradient in its parameter's shape, as the optimizer's exchange sees it
-        # (PowerSGD factors a matrix: flat, it would travel exact)
-        grads = [g.view(state.plan.shapes[i]) for g, i in zip(bucket.gradients(), indices)]
+        indices, grads = _in_model_order(state, bucket)
         name = f"ddp.bucket{bucket.index()}"
         if state.config.check_consistency:
             _check_layout(state, name, grads, indices)
@@ -265,6 +246,20 @@ def _reduce(state: CGXState, bucket: dist.GradBucket, fut: torch.futures.Future,
         fut.set_result(bucket.buffer())
     except BaseException as exc:
         fut.set_exception(exc)
+
+
+def _in_model_order(state: CGXState, bucket: dist.GradBucket) -> tuple:
+    """The bucket's parameter indices and gradients, in the model's parameter order, each
+    gradient in its parameter's shape, as the optimizer's exchange sees it (PowerSGD
+    factors a matrix: flat, it would travel exact).
+
+    DDP's first iteration lists a bucket's parameters in another order than the buckets it
+    rebuilds after it; the fused layout, and so the stochastic rounding, follows the order
+    it is given. In one order, a run resumed from a checkpoint (a first iteration again)
+    rounds as the uninterrupted run did."""
+    pairs = sorted(zip((state.index[id(p)] for p in bucket.parameters()), bucket.gradients()),
+                   key=lambda pair: pair[0])
+    return [i for i, _ in pairs], [g.view(state.plan.shapes[i]) for i, g in pairs]
 
 
 def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -280,7 +275,7 @@ def cgx_hook(state: CGXState, bucket: dist.GradBucket) -> torch.futures.Future[t
         state.iteration += 1
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     # Ready marks on the timeline, and the planned mode's ready times.
-    StepRecorder(state.plan, red).ready([state.index[id(p)] for p in bucket.parameters()],
+    StepRecorder(state.plan, red).ready(sorted(state.index[id(p)] for p in bucket.parameters()),
                                          step, row=f"ddp.bucket{bucket.index()}")
     red.engine().submit(_reduce, (state, bucket, fut, step), label=f"ddp.bucket{bucket.index()}")
     # DDP reads the future's value in C++, where an exception set as a Python result is
