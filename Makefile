@@ -14,7 +14,7 @@ STAMP := $(VENV)/.cgx-installed
 EXT_SRC := $(wildcard cgx/csrc/*.c cgx/csrc/*.h)
 PYTEST_ARGS ?=
 
-.PHONY: demo test install system ext horovod bench bench-kernels bench-allreduce clean distclean help
+.PHONY: demo test install system ext horovod bench bench-kernels bench-allreduce docs clean distclean help
 
 help:
 	@echo "make demo    - set up (if needed) and run a 2-rank compressed training demo"
@@ -22,6 +22,7 @@ help:
 	@echo "make bench   - time to accuracy: every method, 1/10 Gbit/s and unshaped links,"
 	@echo "               2 hosts x 2 ranks, 3-seed accuracy study (4-6 hours; docs/results/train.*)"
 	@echo "make bench-kernels / bench-allreduce - benchmarks (figures, plots)"
+	@echo "make docs    - build the documentation site into site/ (mkdocs build --strict)"
 
 system:
 	@./scripts/install-system-deps.sh
@@ -32,7 +33,7 @@ $(PY):
 $(STAMP): $(PY) setup.cfg setup.py pyproject.toml $(PINS)
 	@./scripts/install-system-deps.sh
 	$(PIP) install -q -c $(PINS) setuptools wheel pip
-	$(PIP) install -q -c $(PINS) --no-build-isolation -e ".[all,dev]"
+	$(PIP) install -q -c $(PINS) --no-build-isolation -e ".[all,dev,docs]"
 	touch $@
 
 # The C extension (fast CPU path) is rebuilt in place when its sources change.
@@ -68,8 +69,13 @@ bench-kernels: install
 bench-allreduce: install
 	$(PY) benchmarks/allreduce.py
 
+# The documentation site (mkdocs.yml): strict, so a broken link or nav entry fails; the
+# configuration reference is generated from cgx/config.py during the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf build *.egg-info cgx/*.so .pytest_cache .hypothesis
+	rm -rf site build *.egg-info cgx/*.so .pytest_cache .hypothesis
 	find . -name __pycache__ -prune -exec rm -rf {} +
 
 distclean: clean

@@ -33,6 +33,7 @@ LAYERS = (
     ("exchange", ("cgx.exchange", "cgx.ops")),
     ("local steps", ("cgx.diloco",)),
     ("adapters", ("cgx.torch", "cgx.tensorflow", "cgx")),
+    ("integrations", ("cgx.integrations",)),
     ("benchmarks", ("benchmarks",)),
 )
 
