@@ -5,16 +5,24 @@
 * Every relative link in README.md, CONTRIBUTING.md and docs/ (docs/results/ aside: those
   are stored benchmark reports) points to an existing file, or to the page that
   docs/gen_config.py generates during the build.
-* Every fenced ```python block there compiles; a block preceded by the line
-  ``<!-- runs -->`` also runs, in a fresh process, and must exit 0. Multi-rank snippets
-  say ``# launch with: ...`` in their first line and are compiled only.
+* Every fenced ```python block there compiles, and is exactly one of:
+
+  - preceded by the line ``<!-- runs -->``: it runs in a fresh process and must exit 0;
+  - preceded by the line ``<!-- runs on 2 ranks -->``: it runs on 2 ranks under cgxrun
+    (``python -m cgx.launch.cli -np 2``) and must exit 0 (a block that appears on several
+    pages, as the README's quick starts do in the guides, runs once);
+  - not runnable (a fragment, a cluster launch, a GPU or a downloaded model needed): its
+    first line says so where the reader sees it, ``# not run: <reason>``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -23,6 +31,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 RUNS = "<!-- runs -->"
+RUNS_2 = "<!-- runs on 2 ranks -->"
+NOT_RUN = "# not run:"
 
 
 def _generated() -> set[pathlib.Path]:
@@ -45,7 +55,7 @@ _FENCE = re.compile(r"^( *)```+ *([\w+-]*)")
 
 
 def _blocks(page: pathlib.Path):
-    """(first line number, language, source, marked runnable) of each fenced block."""
+    """(first line number, language, source, the non-blank line before it) of each block."""
     lines = page.read_text().splitlines()
     i = 0
     while i < len(lines):
@@ -59,7 +69,7 @@ def _blocks(page: pathlib.Path):
         while j < len(lines) and not re.match(r"^ *```+ *$", lines[j]):
             body.append(lines[j][indent:] if lines[j][:indent].isspace() else lines[j])
             j += 1
-        yield i + 1, lang, "\n".join(body) + "\n", prev == RUNS
+        yield i + 1, lang, "\n".join(body) + "\n", prev
         i = j + 1
 
 
@@ -99,21 +109,58 @@ def test_relative_links_point_to_existing_files():
 
 
 def _python_blocks():
+    """(page, first line, source, marker line) of every ```python block."""
     for page in _pages():
-        for line, lang, src, runs in _blocks(page):
+        for line, lang, src, prev in _blocks(page):
             if lang in ("python", "py"):
-                yield pytest.param(page, line, src, runs, id=f"{_name(page)}:{line}")
+                yield page, line, src, prev
 
 
-@pytest.mark.parametrize("page,line,src,runs", list(_python_blocks()))
-def test_python_blocks_compile(page, line, src, runs):
+def _kinds(src: str, prev: str) -> list[str]:
+    """What a block says it is: run here, run on 2 ranks, not run (the reason given)."""
+    first = src.lstrip("\n").split("\n", 1)[0].strip()
+    kinds = [k for k, marked in (("runs", prev == RUNS), ("runs on 2 ranks", prev == RUNS_2),
+                                 ("not run", first.startswith(NOT_RUN))) if marked]
+    if "not run" in kinds and not first[len(NOT_RUN):].strip():
+        kinds.append("no reason")
+    return kinds
+
+
+def _marked(marker: str):
+    """Blocks marked ``marker``; a block shown on several pages once, under its first."""
+    seen: dict[str, list] = {}
+    for page, line, src, prev in _python_blocks():
+        if prev == marker:
+            seen.setdefault(src, []).append(f"{_name(page)}:{line}")
+    return [pytest.param(src, places, id=places[0]) for src, places in seen.items()]
+
+
+@pytest.mark.parametrize("page,line,src", [
+    pytest.param(page, line, src, id=f"{_name(page)}:{line}")
+    for page, line, src, _ in _python_blocks()])
+def test_python_blocks_compile(page, line, src):
     # a SyntaxError names the page and the block's first line
     compile(src, f"{_name(page)}:{line}", "exec")
 
 
+def test_every_python_block_runs_or_says_why_not():
+    wrong = []
+    for page, line, src, prev in _python_blocks():
+        kinds = _kinds(src, prev)
+        if kinds != ["runs"] and kinds != ["runs on 2 ranks"] and kinds != ["not run"]:
+            wrong.append(f"{_name(page)}:{line}: {' + '.join(kinds) or 'unmarked'}")
+    for page in _pages():  # a marker before another language's block would be ignored
+        for line, lang, _, prev in _blocks(page):
+            if prev in (RUNS, RUNS_2) and lang not in ("python", "py"):
+                wrong.append(f"{_name(page)}:{line}: {prev} before a {lang or 'plain'} block")
+    assert not wrong, (
+        f"each ```python block is preceded by {RUNS!r} (runs here) or {RUNS_2!r} (runs "
+        f"under cgxrun -np 2), or starts with '{NOT_RUN} <reason>', exactly one of them:\n"
+        + "\n".join(wrong))
+
+
 def test_runnable_blocks_run(tmp_path):
-    marked = [(p, line, src) for p in _pages() for line, lang, src, runs in _blocks(p)
-              if runs and lang in ("python", "py")]
+    marked = [(p, line, src) for p, line, src, prev in _python_blocks() if prev == RUNS]
     assert marked, f"no block is marked {RUNS!r}"
     failures = []
     for page, line, src in marked:
@@ -124,6 +171,33 @@ def test_runnable_blocks_run(tmp_path):
         if proc.returncode:
             failures.append(f"{_name(page)}:{line} exited {proc.returncode}:\n{proc.stderr[-2000:]}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_some_blocks_run_on_2_ranks():
+    assert _marked(RUNS_2), f"no block is marked {RUNS_2!r}"
+
+
+@pytest.mark.parametrize("src,places", _marked(RUNS_2))
+def test_two_rank_blocks_run_under_cgxrun(tmp_path, src, places):
+    if re.search(r"^import (keras|tensorflow)", src, re.M) and \
+            importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("TensorFlow is not installed (the `tensorflow` extra)")
+    script = tmp_path / "train.py"
+    script.write_text(src)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # a session of its own: on a timeout, cgxrun and its ranks are stopped together
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cgx.launch.cli", "-np", "2", sys.executable, str(script)],
+        cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{', '.join(places)}: cgxrun -np 2 ran past 300 s:\n{out[-3000:]}")
+    assert proc.returncode == 0, (f"{', '.join(places)}: cgxrun -np 2 exited {proc.returncode}:"
+                                  f"\n{out[-2000:]}\n{err[-3000:]}")
 
 
 def test_mkdocs_build_strict(tmp_path):
