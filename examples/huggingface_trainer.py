@@ -76,12 +76,14 @@ def main():
     p.add_argument("--attach", choices=("compress", "callback"), default="compress",
                    help="compress(trainer) or Trainer(callbacks=[CGXTrainerCallback(...)])")
     p.add_argument("--max-steps", type=int, default=TrainConfig.max_steps)
+    p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--save-steps", type=int, default=TrainConfig.save_steps)
     p.add_argument("--output-dir", default=TrainConfig.output_dir)
     p.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     p.add_argument("--out", default=None, help="write final parameters and logs here")
     a = p.parse_args()
-    cfg = TrainConfig(max_steps=a.max_steps, save_steps=a.save_steps, output_dir=a.output_dir)
+    cfg = TrainConfig(max_steps=a.max_steps, save_steps=a.save_steps, output_dir=a.output_dir,
+                      seed=a.seed)
 
     from transformers import Trainer, TrainingArguments
 
