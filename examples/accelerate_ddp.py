@@ -10,48 +10,14 @@ source (no download). ``--compression off`` trains plain Accelerate DDP, for com
 """
 
 import argparse
-import dataclasses
 import os
 
 import torch
 
-COMPRESSIONS = ("off", "exact", "q4", "q4ef", "env")
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    max_steps: int = 30
-    batch_size: int = 4  # per rank
-    block: int = 32  # characters per sequence
-    lr: float = 3e-3
-    layers: int = 2
-    n_embd: int = 64
-    vocab: int = 128  # ASCII
-    seed: int = 0
-
-
-def compression_of(name: str):
-    """``--compression`` as cgx's compression (None: the CGX_* variables)."""
-    from cgx.torch import Compression
-    return {"exact": Compression.exact, "q4": Compression.quantize(bits=4),
-            "q4ef": Compression.quantize(bits=4, error_feedback=True), "env": None}[name]
-
-
-def corpus_blocks(block: int, n: int) -> torch.Tensor:
-    """``n`` sequences of ``block`` ASCII codes from the standard library's source."""
-    with open(argparse.__file__, encoding="utf-8") as f:  # ~100 kB of Python
-        text = f.read()
-    codes = torch.tensor([min(ord(c), 127) for c in text], dtype=torch.long)
-    return torch.stack([codes[s:s + block] for s in range(0, n * block, block)])
-
-
-def tiny_gpt2(cfg: TrainConfig):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(cfg.seed)
-    config = GPT2Config(vocab_size=cfg.vocab, n_positions=64, n_embd=cfg.n_embd,
-                        n_layer=cfg.layers, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config)
+# The model, data and compression names are the Trainer example's (the same tiny GPT-2 on
+# the standard library's source), so the two runs compare.
+from huggingface_trainer import COMPRESSIONS, TrainConfig, compression_of, corpus_blocks, \
+    tiny_gpt2
 
 
 class Progress:

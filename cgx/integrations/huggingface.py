@@ -28,6 +28,7 @@ without cgx.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import sys
@@ -51,24 +52,21 @@ CHECKPOINT_FORMAT = 1
 
 # -- imports of the optional packages -----------------------------------------------------
 
-def _transformers():
+def _require(module: str, what: str):
+    """``import module``, or an ImportError that says which package to install."""
     try:
-        import transformers
+        return importlib.import_module(module)
     except ImportError as exc:  # pragma: no cover - the integrations extra installs it
-        raise ImportError("cgx.integrations.huggingface's Trainer support needs transformers: "
-                          "pip install 'cgx[integrations]' (or pip install transformers)"
-                          ) from exc
-    return transformers
+        raise ImportError(f"cgx.integrations.huggingface's {what} needs {module}: pip install "
+                          f"'cgx[integrations]' (or pip install {module})") from exc
+
+
+def _transformers():
+    return _require("transformers", "Trainer support")
 
 
 def _accelerate():
-    try:
-        import accelerate
-    except ImportError as exc:  # pragma: no cover - the integrations extra installs it
-        raise ImportError("cgx.integrations.huggingface.prepare needs accelerate: "
-                          "pip install 'cgx[integrations]' (or pip install accelerate)"
-                          ) from exc
-    return accelerate
+    return _require("accelerate", "prepare")
 
 
 # -- what both integrations share ----------------------------------------------------------
