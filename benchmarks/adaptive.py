@@ -19,9 +19,9 @@
    and with ``error_feedback=True`` as it is under an adaptive optimizer (the moving
    average of ``cgx.exchange.compensation``), against fp32, over ``--lm-seeds`` seeds;
    with ``--methods "fp32,auto EF off,auto,auto EF on"``, auto's compensation measured per
-   layer (``cgx.adaptive.probe``) against none (``--optimizer SGD`` for SGD).
+   layer (``cgx.policy.levels.probe``) against none (``--optimizer SGD`` for SGD).
 6. The probe alone (``--probe-bits N``): one process trains the LM (``--optimizer``) and,
-   over 10 steps from step 20, runs ``cgx.adaptive.probe`` on every matrix at uniform
+   over 10 steps from step 20, runs ``cgx.policy.levels.probe`` on every matrix at uniform
    N-bit quantization: per layer each compensation's shortfall and noise, and the choice.
 
 Usage::
@@ -56,7 +56,7 @@ AUTO = "auto (alpha 1.0)"  # the mixed mode, auto's default
 
 
 def bench_solver(layers: int = 300, candidates: int = 20, reps: int = 7) -> dict:
-    from cgx.adaptive import solve
+    from cgx.policy.levels import solve
     from cgx.quant import cpu  # the C extension, the knapsack included
     rng = np.random.default_rng(0)
     errors = np.sort(rng.uniform(0, 1, (layers, candidates)), axis=1)
@@ -104,8 +104,8 @@ def _measure_once(g, shape, cands, full: bool, key: int = KEYS[0]) -> tuple[floa
     """One measured window step of a layer: seconds, and every candidate's error (full:
     no sample, PowerSGD's errors from the (n, m) products as before the closed form)."""
     import torch
-    from cgx.adaptive import Family
-    from cgx.adaptive import stats
+    from cgx.policy.levels import Family
+    from cgx.policy.levels import stats
     ranks = [c.rank for c in cands if c.family is Family.POWERSGD]
     scorer = stats.PowerSGDScorer()
     t0 = time.perf_counter()
@@ -129,7 +129,7 @@ MEASURED = (("heavy-tailed", (4096, 512)), ("heavy-tailed", (4096, 4096)),
 
 def bench_measure(layers=MEASURED, reps: int = 3) -> list:
     import torch
-    from cgx.adaptive import Family, candidates_for
+    from cgx.policy.levels import Family, candidates_for
     torch.set_num_threads(1)
     fams = [Family.QUANTIZE, Family.TOPK, Family.POWERSGD, Family.FP16, Family.BF16]
     out = []
@@ -212,7 +212,7 @@ def _rank(rank, world, port, method, epochs, out):
         acc = float((logits.argmax(1) == test_y).float().mean())
         test_loss = float(torch.nn.functional.cross_entropy(logits, test_y))
     if rank == 0:
-        from cgx.adaptive import format_levels
+        from cgx.policy.levels import format_levels
         with open(out, "w") as f:
             json.dump({"bytes_per_step": wire, "accuracy": acc, "test_loss": test_loss,
                        "steps": steps,
@@ -286,7 +286,7 @@ def _lm_rank(rank, world, port, method, optimizer, steps, seed, out):
     wire = (hvd.stats().wire_bytes - before) / steps
     val = w.evaluate(model)["loss"]
     if rank == 0:
-        from cgx.adaptive import format_levels
+        from cgx.policy.levels import format_levels
         with open(out, "w") as f:
             json.dump({"bytes_per_step": wire, "val_loss": val, "steps": steps,
                        "error_feedback": bool(opt._plan.error_feedback),
@@ -305,8 +305,8 @@ def bench_probe(bits: int, optimizer: str) -> list:
     import torch
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks.timetoacc.workloads import make
-    from cgx.adaptive import probe, stats
-    from cgx.adaptive.compensation import UpdateRule
+    from cgx.policy.levels import probe, stats
+    from cgx.policy.update_rule import UpdateRule
     from cgx.quant.codec import QuantSpec
     torch.manual_seed(0)
     w = make("lm", 0, 1, 0)
@@ -437,7 +437,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.probe_bits:
         rows = bench_probe(args.probe_bits, args.optimizer)
-        lines = [f"cgx.adaptive.probe on the LM under {args.optimizer}, one process, steps "
+        lines = [f"cgx.policy.levels.probe on the LM under {args.optimizer}, one process, steps "
                  f"{PROBE_START + 1}-{PROBE_START + PROBE_STEPS}, uniform {args.probe_bits}-bit "
                  "(bucket 1024, stochastic rounding): per layer and compensation, the share "
                  "of the true path the sent one misses (shortfall) and what it adds across it "

@@ -2,7 +2,7 @@
 
 What runs at each of ``Compression.auto(objective="time")``'s plans, after the measurements
 (the window's errors, the link and quantizer calibration, which are timed apart in the
-training benchmarks): the planner's simulated-step plan (cgx.planner.plan), auto's knapsack
+training benchmarks): the planner's simulated-step plan (cgx.policy.planner.plan), auto's knapsack
 over the measured errors (fewest bytes within the budget), the proposals (the knapsack
 again with the planner's exact tensors, each plan simulated on the planner's timeline) and
 the selection of what is tried. Synthetic layers: 300 matrices from 64x64 to 1024x1024 with
@@ -30,10 +30,10 @@ import torch
 
 def _setup(layers: int, seed: int = 0):
     """The schedule (errors measured once) and the planner's tensors."""
-    from cgx.adaptive import AdaptiveSchedule
+    from cgx.policy.levels import AdaptiveSchedule
     from cgx.compression import Compression
     from cgx.config import Config
-    from cgx.planner.costs import TensorProfile
+    from cgx.policy.planner.costs import TensorProfile
     g = torch.Generator().manual_seed(seed)
     sizes = [64, 128, 256, 512, 1024]
     shapes = [(sizes[i % 5], sizes[(i * 7) % 5]) for i in range(layers)]
@@ -54,9 +54,9 @@ def _setup(layers: int, seed: int = 0):
 
 def decide_once(sched, tensors, world: int = 2, gbit: float = 1.0) -> dict:
     """One decision, timed in its parts (seconds)."""
-    from cgx.deciding import propose, select
-    from cgx.planner.costs import CostModel
-    from cgx.planner.strategy import plan
+    from cgx.policy.trials import propose, select
+    from cgx.policy.planner.costs import CostModel
+    from cgx.policy.planner.strategy import plan
     one = types.SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))
     cost = CostModel.uniform(world, gbit)
     t0 = time.perf_counter()

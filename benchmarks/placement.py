@@ -2,7 +2,7 @@
 
     python3 benchmarks/placement.py --json placement.json      # needs a CUDA device
 
-For gradients on a GPU, ``cgx.planner.placement`` decides per tensor between the Triton
+For gradients on a GPU, ``cgx.policy.planner.placement`` decides per tensor between the Triton
 kernels (fast, but they share the GPU with backward's kernels) and the host's C path on
 pinned copies (slow, two trips over PCIe, but the GPU keeps computing). This measures
 both on the machine it runs on and checks the model's decision against the clock:
@@ -31,7 +31,7 @@ import torch
 
 from cgx.collectives import offload
 from cgx.collectives.offload import Placement
-from cgx.planner import placement
+from cgx.policy.planner import placement
 from cgx.quant import codec
 from cgx.quant.codec import QuantSpec
 

@@ -23,7 +23,7 @@ import time
 
 
 def decision_time(n: int = 300, reps: int = 9) -> dict:
-    from cgx.planner import CostModel, TensorProfile, plan
+    from cgx.policy.planner import CostModel, TensorProfile, plan
     rng = random.Random(0)
     # every tensor a different size (log-uniform, 300 to 5 M values): the planner shares
     # options between tensors of one shape, which real models have many of; not here
@@ -45,7 +45,7 @@ def quality(instances: int) -> dict:
     sys.path.insert(0, "tests/planner")
     from test_planner import _instance
 
-    from cgx.planner import plan, simulate
+    from cgx.policy.planner import plan, simulate
     rng = random.Random(1)
     ratios = []
     for _ in range(instances):

@@ -2,7 +2,7 @@
 
 For each link rate and rank count, in the simulated network:
 
-1. measure the link (``cgx.planner.calibration.link_model``: alpha-beta per collective,
+1. measure the link (``cgx.policy.planner.calibration.link_model``: alpha-beta per collective,
    the slowest rank's) and the compute-only step of every rank running at once (on 2
    cores, 4 ranks compete for the CPU: the profile is scaled to that step);
 2. predict the step of DDP fp32 (every tensor exact, 25 MB buckets) and of cgx's uniform
@@ -29,7 +29,7 @@ def link_probe() -> dict:
     """In every rank: cgx's link model of this world's transport."""
     import cgx.torch as hvd
     from cgx import runtime
-    from cgx.planner.calibration import link_model
+    from cgx.policy.planner.calibration import link_model
     hvd.init()
     links = link_model(runtime.transport(), sizes=(1 << 12, 1 << 24), reps=3)
     return {k.value: [ab.alpha, ab.beta, ab.cpu] for k, ab in links.items()}
@@ -40,7 +40,7 @@ def local_profile(batch: int):
     import torch
 
     from benchmarks.training import vgg11
-    from cgx.planner.calibration import trace_backward
+    from cgx.policy.planner.calibration import trace_backward
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = vgg11()
@@ -67,9 +67,9 @@ def predict(tensors, shapes, forward, backward, tail, links, world, measured_com
     from dataclasses import replace
 
     from cgx.config import Config
-    from cgx.planner import AlphaBeta, Collective, CostModel, options_for, simulate
-    from cgx.planner.calibration import compressor_throughput, contention
-    from cgx.planner.strategy import fusion_groups
+    from cgx.policy.planner import AlphaBeta, Collective, CostModel, options_for, simulate
+    from cgx.policy.planner.calibration import compressor_throughput, contention
+    from cgx.policy.planner.strategy import fusion_groups
     from cgx.rules import LayerRules
     scale = measured_compute / (forward + backward + tail)  # CPU shared by the ranks
     tensors = [replace(t, ready_s=t.ready_s * scale) for t in tensors]

@@ -13,7 +13,7 @@ and ``powerSGD_hook`` (rank 1,
 error feedback, warm start; run with a single DDP bucket, the only way it does not crash on
 Gloo here), cgx's DDP hook and cgx's ``DistributedOptimizer`` (both fixed 4-bit,
 ``Compression.quantize(bits=4)``; ``cgx-optimizer-8bit``: 8 bits), ``cgx-planned`` (``Compression.planned()``: each
-tensor exact or 4-bit, as ``cgx.planner`` predicts is fastest on the measured link) and
+tensor exact or 4-bit, as ``cgx.policy.planner`` predicts is fastest on the measured link) and
 ``cgx-decide`` (``Compression.auto(objective="time")``: the model proposes whole plans,
 trials measure them, the fastest within the error budget is kept; its steps run until the
 decision, then ``--warmup`` and the timed steps follow; what deciding cost, every step
@@ -185,7 +185,7 @@ def keras_rank(method: str, steps: int, warmup: int, batch: int,
 def _cgx_compression(hvd, method: str, trials: str):
     """A cgx method's ``compression=``, always explicit (the default is itself the deciding
     exchange): fixed 4-bit unless the name says otherwise. Planned: each tensor exact or
-    4-bit as cgx.planner predicts is fastest, confirmed by trials (traced 5 steps, then
+    4-bit as cgx.policy.planner predicts is fastest, confirmed by trials (traced 5 steps, then
     tried: timed once the trials kept a plan)."""
     if method.startswith("cgx-planned"):
         return hvd.Compression.planned()
@@ -394,7 +394,7 @@ def main(argv=None) -> int:
 def _decide_lines(results: list, warmup: int) -> list[str]:
     """For each deciding method: its step against the fastest other method of its adapter in
     the run, the plan it kept, what deciding cost, and its last round of trials."""
-    from cgx.deciding import format_round
+    from cgx.policy.trials import format_round
     ok = {r["method"]: r for r in results if "times_s" in r}
     out = []
     for name, r in ok.items():

@@ -79,7 +79,7 @@ class CompressionMode(enum.Enum):
     DECIDE = "decide"  # the deciding exchange: Compression.auto(objective="time") with the
     # CGX_AUTO_* settings; where no whole-model plan can be made, as QUANTIZE
     QUANTIZE = "quantize"  # uniform CGX quantization with the CGX_COMPRESSION_* settings
-    AUTO = "auto"  # per-layer levels within an error budget (Compression.auto, cgx.adaptive)
+    AUTO = "auto"  # per-layer levels within an error budget (Compression.auto, cgx.policy.levels)
 
 
 class AutoObjective(enum.Enum):
@@ -94,7 +94,7 @@ class CompensationChoice(enum.Enum):
     (``CGX_COMPENSATION``; the algorithms: ``cgx.exchange.compensation``)."""
 
     AUTO = "auto"  # by the optimizer: moving average under Adam-type ones, classic otherwise;
-    # Compression.auto measures it per layer (cgx.adaptive.probe)
+    # Compression.auto measures it per layer (cgx.policy.levels.probe)
     CLASSIC = "classic"  # all of it, added to the next step's values
     MOVING_AVERAGE = "moving_average"  # a moving average of it, clipped to the bucket's range
 

@@ -25,7 +25,7 @@ from cgx import process_sets, runtime, session
 from cgx.collectives import joining, reduce_scatter
 from cgx.comm.base import ReduceOp
 from cgx.comm.consistency import signature, tensor_fields
-from cgx.compression import CompressorKind, as_compressor
+from cgx.compression import Family, as_compressor
 from cgx.quant.codec import FLOAT_DTYPES, QuantSpec
 from cgx.errors import CollectiveMismatchError
 
@@ -145,7 +145,7 @@ def reduce_tensors(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: 
     # quantized (a cast or a user's compressor may not even pickle).
     joined_call = ([tuple(t.shape) for t in tensors], [t.dtype for t in tensors], op, pre, post,
                    name, comp) if op in (ReduceOp.SUM, ReduceOp.AVERAGE) and (
-        comp is None or comp.kind is CompressorKind.NONE or _quantized(comp, op)) else None
+        comp is None or comp.family is Family.EXACT or _quantized(comp, op)) else None
     check("allreduce", name, group, joined_call, op=op, prescale_factor=pre,
           postscale_factor=post, compression=comp, **tensor_fields(tensors))
     outs = [_on_transport(t.detach(), group).clone().contiguous() for t in tensors]
@@ -155,7 +155,7 @@ def reduce_tensors(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: 
 
 def _quantized(comp, op) -> bool:
     """Does this compressor take the fused quantized (SRA) path?"""
-    return comp.kind is CompressorKind.QUANTIZE and op in (ReduceOp.SUM, ReduceOp.AVERAGE) \
+    return comp.family is Family.QUANTIZE and op in (ReduceOp.SUM, ReduceOp.AVERAGE) \
         and hasattr(comp, "bits")
 
 
@@ -164,7 +164,7 @@ def _reduce(outs: list, op: ReduceOp, pre: float, post: float, name: str, comp,
     """Engine thread: the reduction itself, of ``outs`` (contiguous copies on the transport's
     device, reduced in place where the path allows); returns the results."""
     red = session.reducer_of(group)
-    if comp is None or comp.kind is CompressorKind.NONE:
+    if comp is None or comp.family is Family.EXACT:
         red.allreduce(outs, None, op=op, prescale_factor=pre, postscale_factor=post, name=name)
     elif _quantized(comp, op):
         spec = QuantSpec(comp.bits, comp.bucket_size, comp.rounding, getattr(comp, "rotate", False))
@@ -288,8 +288,8 @@ def reducescatter_rows(tensor, op, pre, post, name, compression, group=None):
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     comp = None if compression is None else as_compressor(compression)
-    if comp is not None and comp.kind is not CompressorKind.NONE and not (
-            comp.kind is CompressorKind.QUANTIZE and hasattr(comp, "bits")):
+    if comp is not None and comp.family is not Family.EXACT and not (
+            comp.family is Family.QUANTIZE and hasattr(comp, "bits")):
         full = reduce_tensors([tensor], op, pre, post, name, compression, group)[0]
         counts = reduce_scatter.split_rows(full.shape[0], group_size(group))
         r = group_rank(group)
@@ -298,7 +298,7 @@ def reducescatter_rows(tensor, op, pre, post, name, compression, group=None):
     check("reducescatter", name, group, op=op, prescale_factor=pre, postscale_factor=post,
           compression=comp, **tensor_fields([tensor]))
     spec = QuantSpec(comp.bits, comp.bucket_size, comp.rounding, getattr(comp, "rotate", False)) \
-        if comp is not None and comp.kind is CompressorKind.QUANTIZE else None
+        if comp is not None and comp.family is Family.QUANTIZE else None
     t0 = time.perf_counter()
     cfg = red.config
     out, sent = reduce_scatter.reduce_scatter(

@@ -14,7 +14,7 @@ import time
 import torch
 from sklearn.datasets import load_digits
 from cgx.console import progress
-from cgx.deciding import format_round
+from cgx.policy.trials import format_round
 
 import cgx.torch as hvd
 

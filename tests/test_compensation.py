@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cgx.adaptive.compensation import Compensation, UpdateRule, compensation_for
+from cgx.policy.update_rule import Compensation, UpdateRule, compensation_for
 from cgx.config import CompensationChoice, Config
 from cgx.exchange.compensation import MovingAverage, bucket_clamp
 from cgx.exchange.residuals import ResidualStore
@@ -210,7 +210,7 @@ def test_adamw_ranks_use_the_moving_average_and_agree():
 
 
 def test_per_tensor_kinds_change_what_is_kept_and_owed():
-    """Auto's measured choice per tensor (cgx.adaptive.probe): a tensor whose compensation
+    """Auto's measured choice per tensor (cgx.policy.levels.probe): a tensor whose compensation
     is none gets no buffer; leaving classic feedback owes its residual (added once to the
     next gradient, in gradient units); leaving the moving average drops it."""
     spec = QuantSpec(bits=2, bucket_size=BUCKET)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cgx.comm.base import ReduceOp, SingleProcessTransport
-from cgx.compression import (BF16Compressor, Compression, Compressor, CompressorKind,
+from cgx.compression import (BF16Compressor, Compression, Compressor, Family,
                              ErrorFeedback, FP16Compressor, HorovodCompressor, NoneCompressor,
                              PowerSGDCompressor, QuantizeCompressor, TopKCompressor,
                              as_compressor, stable_tensor_id)
@@ -150,7 +150,7 @@ def test_half_precision_average_never_scales_up_to_the_sum(comp):
     # Two ranks of 40000 in float16: the sum 80000 does not fit, the mean does.
     x = torch.full((4,), 40000.0, dtype=torch.float16)
     out = comp.allreduce(x, _TwinTransport())
-    expect = x if comp.kind is not CompressorKind.NONE else torch.full((4,), float("inf"),
+    expect = x if comp.family is not Family.EXACT else torch.full((4,), float("inf"),
                                                                       dtype=torch.float16)
     # (none sums in float16 on the wire, like Horovod; bf16 rounds 20000 to 19968)
     assert torch.allclose(out.float(), expect.float(), rtol=2**-8)
@@ -321,14 +321,24 @@ def test_integer_average_truncates():
     assert torch.equal(out, torch.tensor([7, -7]))
 
 
-def test_kinds_and_summable():
-    assert NoneCompressor.kind is CompressorKind.NONE and NoneCompressor.summable
-    assert FP16Compressor.kind is CompressorKind.CAST and BF16Compressor.summable
-    assert not QuantizeCompressor().summable and QuantizeCompressor.kind is CompressorKind.QUANTIZE
-    assert TopKCompressor.kind is CompressorKind.TOPK and not TopKCompressor.summable
-    assert PowerSGDCompressor.kind is CompressorKind.LOWRANK
+def test_families_and_summable():
+    assert NoneCompressor.family is Family.EXACT and NoneCompressor.summable
+    assert FP16Compressor.family is Family.FP16 and FP16Compressor.family.is_cast
+    assert BF16Compressor.family is Family.BF16 and BF16Compressor.summable
+    assert not QuantizeCompressor().summable and QuantizeCompressor.family is Family.QUANTIZE
+    assert TopKCompressor.family is Family.TOPK and not TopKCompressor.summable
+    assert PowerSGDCompressor.family is Family.POWERSGD and not Family.POWERSGD.is_cast
     ef = ErrorFeedback(FP16Compressor())
-    assert ef.kind is CompressorKind.CAST and ef.summable
+    assert ef.family is Family.FP16 and ef.summable
+
+
+def test_a_state_saved_under_the_old_family_names_loads():
+    """States written before the families were one enum carry "none"/"lowrank"/"cast"."""
+    comp = Compression.powersgd(rank=1)
+    state = comp.state_dict()
+    comp.load_state_dict({**state, "kind": "lowrank"})
+    with pytest.raises(ValueError, match="kind 'topk'"):
+        comp.load_state_dict({**state, "kind": "topk"})
 
 
 # -- Horovod-style foreign compressors ------------------------------------------------
@@ -449,7 +459,8 @@ def test_casts_state_dict_and_reset_are_trivial():
     comp = FP16Compressor()
     comp.load_state_dict(comp.state_dict())
     comp.reset()
-    assert comp.state_dict() == {"format": 1, "kind": "cast"}
+    assert comp.state_dict() == {"format": 1, "kind": "fp16"}
+    comp.load_state_dict({"format": 1, "kind": "cast"})  # as saved before 0.2.0
 
 
 def test_quantize_reset():

@@ -7,7 +7,7 @@ import torch
 
 from cgx.diloco import (DiLoCoConfig, FragmentSchedule, OuterSGD, balanced_fragments,
                         choose_sync_every, exchange_seconds)
-from cgx.planner.costs import CostModel
+from cgx.policy.planner.costs import CostModel
 from cgx.quant.codec import QuantSpec
 from cgx.quant.wire import packed_nbytes
 

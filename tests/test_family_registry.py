@@ -1,7 +1,7 @@
 """A compression family defined in this file alone (a compressor class and one
 ``configs.register``) is used fixed by DistributedOptimizer, by the DDP hook, and
 survives a Keras config round trip. (Offering a new family to ``compression="auto"``
-still takes a candidate entry in cgx.adaptive.)"""
+still takes a candidate entry in cgx.policy.levels.)"""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import json
 import pytest
 import torch
 
-from cgx.compression import Compressor, CompressorKind, configs
+from cgx.compression import Compressor, Family, configs
 from spawn import run_gloo
 
 
 class RoundToStep(Compressor):
     """Toy family: values rounded to multiples of ``step``; the payload is float and sums."""
 
-    kind = CompressorKind.CAST
+    family = Family.SUMMABLE
     summable = True
     config_type = "test-round-to-step"
 

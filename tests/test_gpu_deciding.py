@@ -71,7 +71,7 @@ def test_the_deciding_exchange_on_cuda_agrees_on_both_ranks_and_trains():
 
 def _planned(rank, world, device, steps):
     from cgx.collectives import offload
-    from cgx.planner import placement
+    from cgx.policy.planner import placement
     hvd = init_on(device)
     # Offloaded quantizations of CUDA tensors: by the exchange, and by rank 0's calibration
     # (calibrate_device times a few offloaded calls for the profile's copy_s).

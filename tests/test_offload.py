@@ -146,7 +146,7 @@ def test_offloaded_reduction_equals_the_gpu_one(algorithm):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_calibrate_device_measures_a_usable_profile():
-    from cgx.planner.placement import DeviceProfile, calibrate_device
+    from cgx.policy.planner.placement import DeviceProfile, calibrate_device
     p = calibrate_device(numel=1 << 22, threads=(1, 2), gpu_busy=0.8, reps=3)
     assert p.gpu_quantize_gbps > p.host_gbps(p.host_quantize_gbps)
     assert [t for t, _ in p.host_quantize_gbps] == [1, 2] and p.threads == 2

@@ -145,7 +145,7 @@ def _auto_walk(rank, walk, predivide):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_auto_family_changes_send_exactly_what_was_owed(world):
-    from cgx.adaptive import Candidate, Family
+    from cgx.policy.levels import Candidate, Family
     T = Candidate(Family.TOPK, density=0.01)
     R = Candidate(Family.POWERSGD, rank=2)
     Q = Candidate(Family.QUANTIZE, 3, 128)

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from cgx.adaptive.compensation import UpdateRule
+from cgx.policy.update_rule import UpdateRule
 from cgx.compression import Compression
 from cgx.config import CompressionMode, Config, Rounding
 from cgx.policy import ExchangePolicy, GradMode, resolve

@@ -9,7 +9,7 @@ Names:
         -flat no hierarchical reduction on 2 hosts x 2 ranks (the default there is hierarchical)
     cgx-auto                                               compression="auto" (per-layer levels)
     cgx-planned[-sfb]                                      Compression.planned(): exact or 4-bit
-        per tensor, as cgx.planner predicts is fastest on the measured link
+        per tensor, as cgx.policy.planner predicts is fastest on the measured link
     cgx-decide[-flat]                                      Compression.auto(objective="time"):
         the model proposes whole plans, trials keep the fastest within the error budget
     cgx-diloco-h<N>, cgx-diloco-auto, cgx-diloco-streaming, cgx-localsgd[-h<N>],
@@ -229,11 +229,11 @@ def _cgx(name, model, make_optimizer) -> Setup:
         if m.group("bits") or m.group("mode") in _CAST_MODES:
             return None
         if m.group("mode") == "planned":
-            from cgx.planner import format_exchange as planned_table
+            from cgx.policy.planner import format_exchange as planned_table
             return planned_table(opt.exchange_plan(), limit=12)
-        from cgx.adaptive import format_levels
+        from cgx.policy.levels import format_levels
         if m.group("mode") == "decide" and opt.exchange_trials():
-            from cgx.deciding import PlanRecord, format_trials
+            from cgx.policy.trials import PlanRecord, format_trials
             last = opt.exchange_trials()[-1]
             records = [PlanRecord(**p) for p in last["plans"]]
             kept = [r.label for r in records].index(last["chosen"])

@@ -3,7 +3,7 @@
 ByteComp (Wang et al., EuroSys 2023) places each tensor's compression on the GPU or the
 CPU: a GPU kernel is fast but takes the GPU from backward's kernels; the host's C
 quantizer is slower and costs two trips over PCIe, but leaves the GPU to the compute.
-:class:`Placement` names the two; ``cgx.planner.placement`` decides between them, and
+:class:`Placement` names the two; ``cgx.policy.planner.placement`` decides between them, and
 ``ReduceContext.placements`` (``cgx.collectives.algorithms``) applies the decision per
 fused tensor.
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from cgx.compression.base import (Compressor, CompressorKind, HorovodCompressor, as_compressor,
+from cgx.compression.base import (Compressor, Family, HorovodCompressor, as_compressor,
                                   stable_tensor_id)
-from cgx.compression.auto import AutoCompression, default_policy
-from cgx.compression.planned import PlannedCompression
+from cgx.compression.auto_policy import AutoCompression, default_policy
+from cgx.compression.planned_policy import PlannedCompression
 from cgx.compression.policy import Policy, is_policy_name
 from cgx.compression.casts import (BF16Compressor, ExactCompressor, FP16Compressor,
                                   NoneCompressor)
@@ -98,7 +98,7 @@ class Compression:
         total error stays within ``alpha`` times the uniform default's. By default a
         layer may pick quantization, top-k or PowerSGD, and with ``objective="time"``
         the 16-bit casts (fp16, bf16) too. See
-        :class:`AutoCompression` and :mod:`cgx.adaptive`.
+        :class:`AutoCompression` and :mod:`cgx.policy.levels`.
         """
         return AutoCompression(alpha=alpha, families=families, window=window,
                                adjust_every=adjust_every, warmup_steps=warmup_steps, **kwargs)
@@ -116,12 +116,12 @@ class Compression:
         the link and the quantizer are measured and each tensor's option is fixed; a
         tensor whose exchange hides under backward stays exact. With ``trials`` (the
         default) the planner's plan, all exact and all quantized then each run a few
-        steps and the fastest measured is kept (:mod:`cgx.deciding.planned`). Every
+        steps and the fastest measured is kept (:mod:`cgx.policy.trials.planned_decider`). Every
         ``replan_every`` steps the kept plan's step is checked (against its trial, or
         without trials against the prediction) and the plan remade when it drifts by
         more than ``drift_tolerance``. For CUDA gradients the plan also says where each
         tensor is quantized (the GPU, or the host on pinned copies; ``device_profile``).
-        See :class:`PlannedCompression` and :mod:`cgx.planner`.
+        See :class:`PlannedCompression` and :mod:`cgx.policy.planner`.
         """
         return PlannedCompression(bits=bits, bucket_size=bucket_size,
                                   calibrate_steps=calibrate_steps, assume_gbit=assume_gbit,
@@ -168,7 +168,7 @@ def is_default(comp) -> bool:
     """Whether ``comp`` (resolved) is ``Compression.none``, the default ``compression=``
     whose meaning ``CGX_COMPRESSION`` sets (not ``Compression.exact``, which is exact
     whatever it says)."""
-    return isinstance(comp, Compressor) and comp.kind is CompressorKind.NONE and \
+    return isinstance(comp, Compressor) and comp.family is Family.EXACT and \
         not isinstance(comp, ExactCompressor)
 
 
@@ -187,7 +187,7 @@ def fixed(compression, cfg) -> "Compressor | Policy":
 
 
 __all__ = [
-    "Compression", "Compressor", "CompressorKind", "HorovodCompressor", "as_compressor",
+    "Compression", "Compressor", "Family", "HorovodCompressor", "as_compressor",
     "resolve", "Policy",
     "stable_tensor_id", "NoneCompressor", "ExactCompressor", "FP16Compressor", "BF16Compressor",
     "QuantizeCompressor", "TopKCompressor", "PowerSGDCompressor", "ErrorFeedback",

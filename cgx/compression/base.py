@@ -44,21 +44,31 @@ from cgx.compression.policy import Policy, is_policy_name, single_call_error
 STATE_FORMAT = 1  # version of the dicts returned by state_dict()
 
 
-class CompressorKind(enum.Enum):
-    """Family of a compressor; tells the collectives layer how payloads combine.
+class Family(enum.Enum):
+    """A compression family: what a compressor's payload is and how payloads combine.
 
-    NONE:     payload is the tensor itself; summable, every ReduceOp works.
-    CAST:     payload is the tensor in a narrower float type (fp16, bf16); summable.
-    QUANTIZE: max-min bucket quantization (wire format v1); decode, then add.
-    TOPK:     (indices, values) of the largest magnitudes; scatter-add.
-    LOWRANK:  PowerSGD factors P, Q; has its own two-allreduce algorithm.
+    The one name per idea: every compressor declares its family (``Compressor.family``),
+    auto's candidate levels belong to one (:mod:`cgx.policy.levels`), and the registry of
+    configs (:mod:`cgx.compression.configs`) names compressors by it.
     """
 
-    NONE = "none"
-    CAST = "cast"
-    QUANTIZE = "quantize"
-    TOPK = "topk"
-    LOWRANK = "lowrank"
+    EXACT = "exact"  # the tensor itself, float32 on the wire; every ReduceOp works
+    FP16 = "fp16"  # float16 on the wire; summable
+    BF16 = "bf16"  # bfloat16 on the wire; summable
+    SUMMABLE = "summable"  # a Horovod-style compressor's payload, summed as Horovod does
+    QUANTIZE = "quantize"  # max-min bucket quantization (wire format v1): decode, then add
+    TOPK = "topk"  # (indices, values) of the largest magnitudes: scatter-add
+    POWERSGD = "powersgd"  # low-rank factors P, Q: its own two-allreduce algorithm
+
+    @property
+    def is_cast(self) -> bool:
+        """A 16-bit float cast (fp16, bf16): one level, summable."""
+        return self in (Family.FP16, Family.BF16)
+
+
+# The family names states saved before 0.2.0 carry (``state_dict()["kind"]``).
+LEGACY_KINDS = {"none": ("exact",), "lowrank": ("powersgd",),
+                "cast": ("fp16", "bf16", "summable")}
 
 
 def stable_tensor_id(name: Optional[str]) -> int:
@@ -96,7 +106,7 @@ def check_float_tensor(tensor: Any, who: str) -> torch.Tensor:
     return tensor
 
 
-def check_reduce_op(op: Any, kind: CompressorKind) -> ReduceOp:
+def check_reduce_op(op: Any, family: Family) -> ReduceOp:
     """``op`` as a :class:`ReduceOp` (strings such as ``"average"`` accepted)."""
     if isinstance(op, str):
         try:
@@ -106,8 +116,8 @@ def check_reduce_op(op: Any, kind: CompressorKind) -> ReduceOp:
     if not isinstance(op, ReduceOp):
         allowed = ", ".join(m.value for m in ReduceOp)
         raise TypeError(f"op must be a cgx.comm.base.ReduceOp (or one of: {allowed}), got {op!r}")
-    if kind is not CompressorKind.NONE and op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        raise ValueError(f"a {kind.value} compressor reduces with SUM or AVERAGE, got {op.value}: "
+    if family is not Family.EXACT and op not in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        raise ValueError(f"a {family.value} compressor reduces with SUM or AVERAGE, got {op.value}: "
                          "min/max/product of compressed values are not meaningful; "
                          "use Compression.none for this reduction")
     return op
@@ -140,7 +150,7 @@ def check_state(state: Any, kind: str, cls_name: str) -> dict:
     if not isinstance(state, dict):
         raise TypeError(f"{cls_name}.load_state_dict takes the dict made by state_dict(), "
                         f"got {type(state).__name__}")
-    if state.get("kind") != kind:
+    if state.get("kind") != kind and kind not in LEGACY_KINDS.get(state.get("kind"), ()):
         raise ValueError(f"{cls_name}.load_state_dict got a state of kind {state.get('kind')!r}, "
                          f"expected {kind!r}: load the state saved from the same kind of "
                          "compressor")
@@ -157,12 +167,12 @@ class Compressor(abc.ABC):
     methods have defaults that suit stateless compressors.
 
     Attributes:
-        kind: the family (:class:`CompressorKind`).
+        family: its :class:`Family`.
         summable: True when ``sum_r payload_r`` decompresses to ``sum_r tensor_r``
             (up to rounding), so one plain allreduce of the payload reduces it.
     """
 
-    kind: ClassVar[CompressorKind]
+    family: ClassVar[Family]
     summable: ClassVar[bool] = False
     # The name its config carries (cgx.compression.configs); None: it cannot describe
     # itself (a user's compressor).
@@ -279,7 +289,7 @@ class Compressor(abc.ABC):
             grad = comp.allreduce(grad, transport, name="fc1.weight")
         """
         check_tensor(tensor, f"{type(self).__name__}.allreduce")
-        op = check_reduce_op(op, self.kind)
+        op = check_reduce_op(op, self.family)
         check_name(name)
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a cgx.comm.base.Transport, got "
@@ -314,7 +324,7 @@ class Compressor(abc.ABC):
             return [self.allreduce(t, transport, n, op) for t, n in zip(tensors, names)]
         for t in tensors:
             check_tensor(t, f"{type(self).__name__}.allreduce_many")
-        op = check_reduce_op(op, self.kind)
+        op = check_reduce_op(op, self.family)
         for n in names:
             check_name(n)
         if not isinstance(transport, Transport):
@@ -348,11 +358,11 @@ class Compressor(abc.ABC):
 
     def state_dict(self) -> dict:
         """Per-tensor state as plain tensors, ints and dicts (``torch.save``/pickle safe)."""
-        return {"format": STATE_FORMAT, "kind": self.kind.value}
+        return {"format": STATE_FORMAT, "kind": self.family.value}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (tensors are copied)."""
-        check_state(state, self.kind.value, type(self).__name__)
+        check_state(state, self.family.value, type(self).__name__)
 
     def reset(self, *names: Optional[str]) -> None:
         """Forget the state of the given tensor names (of every tensor when none are given).
@@ -428,7 +438,7 @@ class HorovodCompressor(Compressor):
     treated as summable, exactly as Horovod does.
     """
 
-    kind = CompressorKind.CAST
+    family = Family.SUMMABLE
     summable = True
 
     def __init__(self, impl: Any):

@@ -53,7 +53,7 @@ from typing import ClassVar, NamedTuple, Optional
 import torch
 
 from cgx.comm.base import ReduceOp
-from cgx.compression.base import (Compressor, CompressorKind, accumulate_dtype, check_name,
+from cgx.compression.base import (Compressor, Family, accumulate_dtype, check_name,
                                   check_tensor, default_instance_method, divide_)
 
 
@@ -161,7 +161,7 @@ class NoneCompressor(_CastCompressor):
     """
 
     config_type = "none"
-    kind = CompressorKind.NONE
+    family = Family.EXACT
     wire_dtype = None
 
     def __init__(self):
@@ -196,7 +196,7 @@ class FP16Compressor(_CastCompressor):
     """
 
     config_type = "fp16"
-    kind = CompressorKind.CAST
+    family = Family.FP16
     wire_dtype = torch.float16
 
 
@@ -210,5 +210,5 @@ class BF16Compressor(_CastCompressor):
     """
 
     config_type = "bf16"
-    kind = CompressorKind.CAST
+    family = Family.BF16
     wire_dtype = torch.bfloat16

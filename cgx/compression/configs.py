@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from cgx.compression.auto import AutoCompression
+from cgx.compression.auto_policy import AutoCompression
 from cgx.compression.base import Compressor
 from cgx.compression.casts import BF16Compressor, ExactCompressor, FP16Compressor, NoneCompressor
 from cgx.compression.error_feedback import ErrorFeedback
-from cgx.compression.planned import PlannedCompression
+from cgx.compression.planned_policy import PlannedCompression
 from cgx.compression.powersgd import PowerSGDCompressor
 from cgx.compression.quantize import QuantizeCompressor
 from cgx.compression.topk import TopKCompressor

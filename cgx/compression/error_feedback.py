@@ -39,7 +39,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from cgx.comm.base import ReduceOp, Transport
-from cgx.compression.base import (Compressor, CompressorKind, STATE_FORMAT, accumulate_dtype,
+from cgx.compression.base import (Compressor, Family, STATE_FORMAT, accumulate_dtype,
                                   as_compressor, check_name, check_state, check_tensor,
                                   state_tensor)
 
@@ -71,7 +71,7 @@ class ErrorFeedback(Compressor):
         inner = as_compressor(compressor)
         if isinstance(inner, ErrorFeedback):
             raise ValueError("the compressor already has error feedback; wrap it only once")
-        if inner.kind is CompressorKind.LOWRANK:
+        if inner.family is Family.POWERSGD:
             raise ValueError("PowerSGD keeps its own residual: use "
                              "Compression.powersgd(error_feedback=True) instead of wrapping it "
                              "in ErrorFeedback")
@@ -79,8 +79,8 @@ class ErrorFeedback(Compressor):
         self._residuals: dict[Optional[str], torch.Tensor] = {}
 
     @property
-    def kind(self) -> CompressorKind:  # type: ignore[override]
-        return self.compressor.kind
+    def family(self) -> Family:  # type: ignore[override]
+        return self.compressor.family
 
     @property
     def summable(self) -> bool:  # type: ignore[override]

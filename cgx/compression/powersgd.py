@@ -56,7 +56,7 @@ import torch
 
 from cgx.comm.base import ReduceOp, Transport
 from cgx.quant import wire
-from cgx.compression.base import (Compressor, CompressorKind, STATE_FORMAT, accumulate_dtype,
+from cgx.compression.base import (Compressor, Family, STATE_FORMAT, accumulate_dtype,
                                   check_float_tensor, check_name, check_reduce_op, check_state,
                                   stable_tensor_id, state_tensor)
 from cgx.compression.casts import NoneCompressor
@@ -153,7 +153,7 @@ class PowerSGDCompressor(Compressor):
         seed: seed of the random Q draws, the same on every rank.
 
     Attributes:
-        ranks: per-tensor rank overrides, by name (``cgx.adaptive`` sets them); a
+        ranks: per-tensor rank overrides, by name (``cgx.policy.levels`` sets them); a
             change keeps the warm start (Q truncated, or extended with fresh columns).
 
     Example::
@@ -162,7 +162,7 @@ class PowerSGDCompressor(Compressor):
         grad = comp.allreduce(grad, transport, name="fc.weight")
     """
 
-    kind = CompressorKind.LOWRANK
+    family = Family.POWERSGD
     summable = False
 
     def __init__(self, rank: int = 1, min_compression_rate: float = 2.0, start_step: int = 0,
@@ -182,7 +182,7 @@ class PowerSGDCompressor(Compressor):
                 or not 0 <= seed < 2**64:
             raise ValueError(f"seed={seed!r} must be an int in [0, 2**64), the same on every rank")
         self.seed = int(seed)
-        # Per-tensor rank overrides by name (cgx.adaptive sets them; others use `rank`).
+        # Per-tensor rank overrides by name (cgx.policy.levels sets them; others use `rank`).
         self.ranks: dict = {}
         # Per-tensor state, keyed by name (plain tensors and ints: state_dict() copies them).
         self._q: dict[Optional[str], torch.Tensor] = {}  # last step's Q (m, r), warm start
@@ -312,7 +312,7 @@ class PowerSGDCompressor(Compressor):
     def factors(self, tensor, name=None):
         """One local power iteration that advances the warm start but never forms P Q^T
         (an (n, m) product): ``(P, Q)``, or None where the tensor is sent whole. For
-        scoring (cgx.adaptive.stats); without error feedback only."""
+        scoring (cgx.policy.levels.stats); without error feedback only."""
         if self.error_feedback:
             raise ValueError("factors() keeps no residual: build the compressor with "
                              "error_feedback=False")
@@ -341,7 +341,7 @@ class PowerSGDCompressor(Compressor):
 
     def allreduce(self, tensor, transport, name=None, op=ReduceOp.AVERAGE):
         """PowerSGD reduction: two allreduces (P, then Q) instead of one of the whole tensor."""
-        op = check_reduce_op(op, self.kind)
+        op = check_reduce_op(op, self.family)
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a cgx.comm.base.Transport, got "
                             f"{type(transport).__name__}")
@@ -363,7 +363,7 @@ class PowerSGDCompressor(Compressor):
         ``start_step``) in a third (as PyTorch's PowerSGD hook batches a bucket)."""
         if len(tensors) != len(names):
             raise ValueError(f"{len(tensors)} tensors but {len(names)} names")
-        op = check_reduce_op(op, self.kind)
+        op = check_reduce_op(op, self.family)
         if not isinstance(transport, Transport):
             raise TypeError(f"transport must be a cgx.comm.base.Transport, got "
                             f"{type(transport).__name__}")
@@ -413,13 +413,13 @@ class PowerSGDCompressor(Compressor):
     # -- state -------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "kind": self.kind.value,
+        return {"format": STATE_FORMAT, "kind": self.family.value,
                 "q": {n: state_tensor(q) for n, q in self._q.items()},
                 "residuals": {n: state_tensor(r) for n, r in self._residuals.items()},
                 "steps": dict(self._steps), "draws": dict(self._draws)}
 
     def load_state_dict(self, state: dict) -> None:
-        check_state(state, self.kind.value, type(self).__name__)
+        check_state(state, self.family.value, type(self).__name__)
         self._q = {n: q.detach().clone() for n, q in state["q"].items()}
         self._residuals = {n: r.detach().clone() for n, r in state["residuals"].items()}
         self._steps = {n: int(s) for n, s in state["steps"].items()}

@@ -41,7 +41,7 @@ import torch
 
 from cgx.comm.base import Transport
 from cgx.quant import wire
-from cgx.compression.base import (Compressor, CompressorKind, STATE_FORMAT, check_float_tensor,
+from cgx.compression.base import (Compressor, Family, STATE_FORMAT, check_float_tensor,
                                   check_name, check_state, stable_tensor_id)
 from cgx.quant.codec import FLOAT_DTYPES, QuantSpec, dequantize, quantize
 from cgx.config import MAX_BITS, MIN_BITS, Rounding, validate_bucket_size
@@ -90,7 +90,7 @@ class QuantizeCompressor(Compressor):
         approx = comp.decompress(payload, ctx)
     """
 
-    kind = CompressorKind.QUANTIZE
+    family = Family.QUANTIZE
     summable = False
 
     def __init__(self, bits: int = 4, bucket_size: int = 1024,
@@ -169,10 +169,10 @@ class QuantizeCompressor(Compressor):
             super().accumulate(payload, ctx, out)
 
     def state_dict(self) -> dict:
-        return {"format": STATE_FORMAT, "kind": self.kind.value, "steps": dict(self._steps)}
+        return {"format": STATE_FORMAT, "kind": self.family.value, "steps": dict(self._steps)}
 
     def load_state_dict(self, state: dict) -> None:
-        check_state(state, self.kind.value, type(self).__name__)
+        check_state(state, self.family.value, type(self).__name__)
         self._steps = {name: int(step) for name, step in state["steps"].items()}
 
     def reset(self, *names: Optional[str]) -> None:

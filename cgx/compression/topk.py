@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from cgx.compression.base import Compressor, CompressorKind, check_float_tensor, check_name
+from cgx.compression.base import Compressor, Family, check_float_tensor, check_name
 
 _INF = float("inf")
 
@@ -77,7 +77,7 @@ class TopKCompressor(Compressor):
         density: fraction of values kept, ``0 < density <= 1``.
 
     Attributes:
-        densities: per-tensor overrides, by name (``cgx.adaptive`` sets them; a
+        densities: per-tensor overrides, by name (``cgx.policy.levels`` sets them; a
             tensor not in it keeps ``density``).
 
     Example::
@@ -87,7 +87,7 @@ class TopKCompressor(Compressor):
         sparse = comp.decompress(payload, ctx)    # zeros except the top 1%
     """
 
-    kind = CompressorKind.TOPK
+    family = Family.TOPK
     summable = False
 
     def __init__(self, density: float = 0.01):

@@ -1,4 +1,4 @@
-/* The multiple-choice knapsack of cgx.adaptive.solver, compiled.
+/* The multiple-choice knapsack of cgx.policy.levels.solver, compiled.
  *
  * One candidate per layer; minimize the summed cost with the summed integer
  * error units at most `capacity`. dp_l[e] holds the least cost of layers 0..l

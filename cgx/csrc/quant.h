@@ -56,7 +56,7 @@ const char *cgx_simd_path(void);
  * lacks AVX2/F16C. Not thread-safe: for tests and benchmarks only. */
 int cgx_set_simd_path(int avx2);
 
-/* Multiple-choice knapsack of cgx/adaptive/solver.py: per layer l one of the
+/* Multiple-choice knapsack of cgx/policy/levels/solver.py: per layer l one of the
  * candidates offsets[l]..offsets[l+1]-1 (costs, integer error units), least
  * total cost with total units <= capacity; the local candidate index per layer
  * goes to choice. Returns 0, 1 when no choice fits, -1 when out of memory

@@ -1,7 +1,7 @@
 """``sync_every="auto"``: the smallest H whose outer exchanges hide behind H inner steps.
 
 Each round, every fragment's outer gradient crosses the link once. With the planner's
-alpha-beta model of the link (:mod:`cgx.planner.costs`: the bytes SRA or an exact
+alpha-beta model of the link (:mod:`cgx.policy.planner.costs`: the bytes SRA or an exact
 allreduce puts on the wire, the quantizer's throughput), one round of exchanges takes
 ``sum(fragment seconds)``; H inner steps take ``H * step_s``. The smallest H with
 ``H * step_s >= sum(fragment seconds)`` keeps the link busy at most all the time, so
@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
-from cgx.planner.costs import CostModel, OptionMaker, TensorProfile
+from cgx.policy.planner.costs import CostModel, OptionMaker, TensorProfile
 
 MAX_SYNC_EVERY = 1000  # DiLoCo's results reach H = 500; beyond, quality drops
 # With an outer optimizer, "auto" takes at least DiLoCo's usual H: a round of a few steps
@@ -84,7 +84,7 @@ def link_of(transport, world: int, assume_gbit: Optional[float]) -> CostModel:
     rank calls it; small sizes, so that a slow link measures in seconds)."""
     if assume_gbit is not None or world == 1:
         return CostModel.uniform(world, float(assume_gbit or 10.0))
-    from cgx.planner.calibration import link_model
+    from cgx.policy.planner.calibration import link_model
     return CostModel(world, link_model(transport, sizes=(1 << 12, 1 << 20), reps=2))
 
 

@@ -2,7 +2,7 @@
 
 - :mod:`cgx.exchange.plan`: :class:`GradientPlan` (names, shapes, step, state, the mode).
 - :mod:`cgx.exchange.modes`: one object per :class:`GradMode` with its ``reduce``
-  (:mod:`cgx.exchange.auto` for AUTO).
+  (:mod:`cgx.exchange.per_layer` for AUTO).
 - :mod:`cgx.exchange.residuals`: what an exchange still owes (error feedback).
 - :mod:`cgx.exchange.buckets`: fusion buckets in backward's ready order.
 - :mod:`cgx.exchange.options`: the validated exchange options and tensor naming.

@@ -41,7 +41,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.adaptive.compensation import Compensation, average_in, bucket_clamp
+from cgx.policy.update_rule import Compensation, average_in, bucket_clamp
 
 __all__ = ["Compensator", "MovingAverage", "bucket_clamp"]
 
@@ -79,7 +79,7 @@ class Compensator:
 
     Attributes:
         kinds: per tensor name, a :class:`Compensation` that replaces ``kind`` (auto's
-            measured choice, ``cgx.adaptive.probe``); a tensor whose compensation is
+            measured choice, ``cgx.policy.levels.probe``); a tensor whose compensation is
             NONE gets no buffer.
     """
 

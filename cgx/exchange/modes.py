@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.adaptive.compensation import UpdateRule
+from cgx.policy.update_rule import UpdateRule
 from cgx.comm.base import ReduceOp
 from cgx.exchange.residuals import ResidualStore
 from cgx.policy import GradMode
@@ -52,7 +52,7 @@ def _layer_errors(names, specs, work, threads: int):
     Hidden cost: one quantize pass (with write-back) of a copy of each compressed
     gradient; it runs only every ``CGX_STATS_EVERY`` steps.
     """
-    from cgx.adaptive.stats import quantization_error
+    from cgx.policy.levels.stats import quantization_error
     from cgx.collectives.reducer import ReduceStats
     errors = {}
     for n, s, w in zip(names, specs, work):
@@ -199,14 +199,14 @@ class PerTensor(Mode):
 class Planned(Mode):
     """Traced first, then each tensor exact or quantized as the planner decides; with
     trials (the default), the planner's plan, all exact and all quantized take turns and
-    the fastest measured travels (:mod:`cgx.deciding.planned`)."""
+    the fastest measured travels (:mod:`cgx.policy.trials.planned_decider`)."""
 
     kind = GradMode.PLANNED
 
     def __init__(self, cfg: Settings, compression, planned):
         super().__init__(cfg, compression)
-        from cgx.deciding.planned import PlannedDecider
-        self.planned = planned  # cgx.planner.schedule.PlannedSchedule
+        from cgx.policy.trials.planned_decider import PlannedDecider
+        self.planned = planned  # cgx.policy.planner.schedule.PlannedSchedule
         trials = getattr(compression, "trials", None)
         self.decider = PlannedDecider(planned, trials) if trials is not None else None
         self.last_step: Optional[int] = None

@@ -24,7 +24,7 @@ travel exact. Error feedback (``CGX_COMPRESSION_ERROR_FEEDBACK=1`` with
 ``Compression.none``, or ``Compression.quantize(error_feedback=True)``) keeps
 one float32 residual per compressed tensor (``cgx.exchange.residuals``): classic
 under SGD, a moving average under Adam-type optimizers (``cgx.exchange.compensation``).
-Each mode is a small object of ``cgx.exchange.modes`` (``cgx.exchange.auto`` for AUTO).
+Each mode is a small object of ``cgx.exchange.modes`` (``cgx.exchange.per_layer`` for AUTO).
 
 Example::
 
@@ -41,11 +41,11 @@ from typing import Optional, Sequence
 import torch
 
 from cgx import runtime, session
-from cgx.adaptive.compensation import UpdateRule, compensation_for
+from cgx.policy.update_rule import UpdateRule, compensation_for
 from cgx.comm.base import ReduceOp
 from cgx.compression import Compression
 from cgx.config import Config
-from cgx.exchange.auto import Auto
+from cgx.exchange.per_layer import Auto
 from cgx.exchange.modes import Call, Fused, Mode, PerTensor, Planned, Settings, Summable
 from cgx.policy import ExchangePolicy, GradMode
 from cgx.policy import resolve as resolve_policy
@@ -61,7 +61,7 @@ def make_mode(policy: ExchangePolicy, settings: Settings, names, shapes, specs) 
     if mode is GradMode.AUTO:
         return Auto(settings, comp, names, shapes, specs, base)
     if mode is GradMode.PLANNED:
-        from cgx.planner.schedule import PlannedSchedule
+        from cgx.policy.planner.schedule import PlannedSchedule
         return Planned(settings, comp, PlannedSchedule(names, shapes, specs, comp,
                                                        base.inner_reduction,
                                                        base.fusion_buffer_mb, place=True))
@@ -86,9 +86,9 @@ class GradientPlan:
         rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
         config: defaults (``cgx.runtime.config()`` when omitted).
         group: a process set from :func:`cgx.process_sets.resolve` (None: all ranks).
-        update_rule: the optimizer's :class:`cgx.adaptive.compensation.UpdateRule`;
+        update_rule: the optimizer's :class:`cgx.policy.update_rule.UpdateRule`;
             ``compression="auto"`` keeps residuals of quantized layers by it, and the
-            residuals' :class:`~cgx.adaptive.compensation.Compensation` follows it.
+            residuals' :class:`~cgx.policy.update_rule.Compensation` follows it.
 
     Attributes:
         mode: the :class:`GradMode` chosen; ``reduction``: the mode's object.
@@ -136,7 +136,7 @@ class GradientPlan:
 
     @property
     def adaptive(self):
-        """AUTO: the per-layer schedule (``cgx.adaptive.AdaptiveSchedule``); else None."""
+        """AUTO: the per-layer schedule (``cgx.policy.levels.AdaptiveSchedule``); else None."""
         return getattr(self.reduction, "adaptive", None)
 
     @property
@@ -147,7 +147,7 @@ class GradientPlan:
     @property
     def decider(self):
         """AUTO with ``objective="time"`` and PLANNED with trials: the trials'
-        :class:`cgx.deciding.TrialDecider`; else None."""
+        :class:`cgx.policy.trials.TrialDecider`; else None."""
         return getattr(self.reduction, "decider", None)
 
     def reduce(self, grads: list, *, name: str, step: Optional[int] = None,
@@ -198,7 +198,7 @@ class GradientPlan:
 
     def compression_plan(self) -> list[dict]:
         """Per gradient: layer, shape, family, level, bytes, error, share of the error budget
-        (``cgx.adaptive.format_levels`` prints it). Outside AUTO mode: the fixed specs."""
+        (``cgx.policy.levels.format_levels`` prints it). Outside AUTO mode: the fixed specs."""
         if self.adaptive is not None:
             return self.adaptive.rows()
         rows = []

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.adaptive.compensation import Compensation
+from cgx.policy.update_rule import Compensation
 from cgx.exchange.compensation import Compensator, MovingAverage
 
 

@@ -7,11 +7,11 @@ import dataclasses
 import enum
 from typing import Any, Optional
 
-from cgx.adaptive.compensation import UpdateRule, error_feedback_for
-from cgx.compression import (AutoCompression, Compression, CompressorKind, ErrorFeedback,
+from cgx.policy.update_rule import UpdateRule, error_feedback_for
+from cgx.compression import (AutoCompression, Compression, Family, ErrorFeedback,
                              ExactCompressor, QuantizeCompressor, default_policy, is_default)
 from cgx.compression import resolve as as_setting
-from cgx.compression.planned import PlannedCompression
+from cgx.compression.planned_policy import PlannedCompression
 from cgx.config import AutoObjective, Config
 from cgx.quant.codec import QuantSpec
 
@@ -23,8 +23,8 @@ class GradMode(enum.Enum):
     QUANTIZE = "quantize"  # fused compressed allreduce (SRA/ring/allgather), per-layer specs
     SUMMABLE = "summable"  # cast payloads (fp16, bf16, Horovod-style), fused plain allreduce
     PER_TENSOR = "per_tensor"  # top-k, PowerSGD: the compressor's own reduction, per bucket
-    AUTO = "auto"  # per-layer levels chosen within an error budget (cgx.adaptive)
-    PLANNED = "planned"  # per tensor exact or quantized, as the planner decides (cgx.planner)
+    AUTO = "auto"  # per-layer levels chosen within an error budget (cgx.policy.levels)
+    PLANNED = "planned"  # per tensor exact or quantized, as the planner decides (cgx.policy.planner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def _mode_of(comp, cfg: Config, update_rule: UpdateRule) -> tuple:
                 comp.error_feedback)
     if isinstance(comp, ExactCompressor):
         return GradMode.EXACT, cfg, False
-    if comp.kind is CompressorKind.NONE:
+    if comp.family is Family.EXACT:
         mode = GradMode.QUANTIZE if cfg.quantization_enabled else GradMode.EXACT
         return mode, cfg, cfg.error_feedback
     inner = comp.inner

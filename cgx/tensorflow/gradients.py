@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import tensorflow as tf
 
 from cgx import session
-from cgx.adaptive.compensation import UpdateRule
+from cgx.policy.update_rule import UpdateRule
 from cgx.compression import Compression, resolve
 from cgx.tensorflow._bridge import WorkBuffers, run_collective, to_tf
 from cgx import runtime
@@ -93,7 +93,7 @@ class GradientExchange:
         sparse_as_dense: False: ``tf.IndexedSlices`` gradients travel as Horovod's sparse
             allreduce (values and indices all-gathered, uncompressed) and stay
             IndexedSlices; True: they are made dense and reduced with the others.
-        update_rule: the optimizer's :class:`cgx.adaptive.compensation.UpdateRule`
+        update_rule: the optimizer's :class:`cgx.policy.update_rule.UpdateRule`
             (``compression="auto"`` decides error feedback by it).
         num_groups: cut the gradients into this many fused buckets (Horovod's
             ``num_groups``; 0: by size in graph mode, one call when eager).
@@ -143,7 +143,7 @@ class GradientExchange:
                                     predivide=self.predivide, rules=self.rules,
                                     group=self.group, update_rule=self.update_rule)
                 if plan.adaptive is not None:
-                    from cgx.adaptive.schedule import matches
+                    from cgx.policy.levels.schedule import matches
                     for summary in self.pending_plans:
                         if matches(summary, plan.names):
                             plan.adaptive.load_plan_summary(summary)
@@ -170,7 +170,7 @@ class GradientExchange:
 
     def exchange_trials(self) -> list[dict]:
         """``Compression.auto(objective="time")`` and ``Compression.planned()``: the rounds
-        of trials of every plan (see :meth:`cgx.deciding.TrialDecider.rounds`)."""
+        of trials of every plan (see :meth:`cgx.policy.trials.TrialDecider.rounds`)."""
         with self._lock:
             return [r for plan in self._plans.values() if plan.decider is not None
                     for r in plan.decider.rounds()]

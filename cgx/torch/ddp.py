@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cgx.adaptive.compensation import UpdateRule, update_rule_of
+from cgx.policy.update_rule import UpdateRule, update_rule_of
 from cgx.comm.consistency import agree, signature
 from cgx.exchange import ExchangeOptions, GradientPlan
 from cgx.policy import GradMode
@@ -57,7 +57,7 @@ class CGXState(PlanViews):
         compression: any ``Compression`` of ``DistributedOptimizer`` (e.g.
             ``Compression.quantize(bits=4, rotate=True)``, ``Compression.fp16``), or
             ``"auto"`` / ``Compression.auto(...)``: per-layer levels chosen within an
-            error budget (``cgx.adaptive``); auto also when ``CGX_COMPRESSION=auto``
+            error budget (``cgx.policy.levels``); auto also when ``CGX_COMPRESSION=auto``
             (with the ``CGX_AUTO_*`` settings). None: the ``CGX_*`` variables' fixed
             per-layer specs. The object passed is not changed.
         optimizer: the ``torch.optim`` optimizer that applies the averaged gradients

@@ -38,7 +38,7 @@ What travels (per parameter group, each backward):
                                                 ``alpha`` x the uniform default's) over the
                                                 quantization levels and exact, from each
                                                 group's measured errors
-                                                (:mod:`cgx.adaptive.groups`)
+                                                (:mod:`cgx.policy.levels.groups`)
 ``+ cross_compression=...``                     hierarchical: ``compression`` among the
                                                 ranks of a host, ``cross_compression``
                                                 between hosts (SDP4Bit: 8 and 4 bits)
@@ -71,7 +71,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from cgx import runtime, session
-from cgx.adaptive.groups import GroupLevels
+from cgx.policy.levels.groups import GroupLevels
 from cgx.collectives import reduce_scatter as rs
 from cgx.comm.torch_dist import all_gather_single, reduce_scatter_single
 from cgx.collectives.sharded import Levels, ShardState, Topology, all_gather_flat, \
@@ -164,7 +164,7 @@ class FSDPCompression:
 
     def compression_plan(self) -> list[dict]:
         """With ``compression="auto"``: per group, its level, bytes, error and share of the
-        error budget (``cgx.adaptive.format_levels`` prints it): the uniform default until
+        error budget (``cgx.policy.levels.format_levels`` prints it): the uniform default until
         the first plan, empty before the second step and in the other modes."""
         return self.auto.rows() if self.auto is not None else []
 

@@ -18,7 +18,7 @@ collectives in the same order, also when a parameter is unused on one rank.
 
 Compression: ``compression=Compression.none`` (Horovod's default) means what
 ``CGX_COMPRESSION`` says: by default the deciding exchange (trials keep the fastest
-measured plan within the error budget of 4-bit: :mod:`cgx.deciding`); with
+measured plan within the error budget of 4-bit: :mod:`cgx.policy.trials`); with
 ``CGX_COMPRESSION=quantize``, max-min quantization with ``CGX_COMPRESSION_*``
 settings (4 bits, bucket 1024 by default; ``CGX_COMPRESSION_QUANTIZATION_BITS=32``
 turns it off); per-layer rules from ``rules=`` or ``CGX_COMPRESSION_CONFIG``. ``Compression.exact`` sends them uncompressed. Other compressors (``fp16``, ``bf16``,
@@ -38,7 +38,7 @@ import torch
 from cgx import runtime
 from cgx.compression import Compression, resolve
 from cgx.errors import CGXError
-from cgx.adaptive.compensation import update_rule_of
+from cgx.policy.update_rule import update_rule_of
 from cgx.exchange import (ExchangeOptions, GradientPlan, GradMode,  # noqa: F401 - GradMode: API
                           check_wrapped_once)
 from cgx.exchange.options import default_names, names_by_id

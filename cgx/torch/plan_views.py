@@ -16,14 +16,14 @@ class PlanViews:
 
         Example::
 
-            from cgx.adaptive import format_levels
+            from cgx.policy.levels import format_levels
             print(format_levels(opt.compression_plan()))
         """
         return self.gradient_plan().compression_plan()
 
     def exchange_plan(self):
         """The planner's decision with ``compression=Compression.planned(...)``: a
-        :class:`cgx.planner.ExchangePlan` (``cgx.planner.format_exchange`` prints it per tensor), or
+        :class:`cgx.policy.planner.ExchangePlan` (``cgx.policy.planner.format_exchange`` prints it per tensor), or
         None while the first steps are traced (and in other modes). With trials, what
         travels is the plan they kept (:meth:`exchange_trials`; ``compression_plan()``
         lists its levels), which may be all exact or all quantized instead."""
@@ -32,7 +32,7 @@ class PlanViews:
 
     def exchange_checks(self) -> list:
         """With ``Compression.planned(trials=False)``: every drift check so far, as
-        :class:`cgx.planner.schedule.DriftCheck` (step, predicted and measured step time,
+        :class:`cgx.policy.planner.schedule.DriftCheck` (step, predicted and measured step time,
         whether it re-planned). With trials (``Compression.planned()``,
         ``Compression.auto(objective="time")``): every check of a kept plan (step, its
         step and the link against the decision's, whether a new round started). Empty in
@@ -44,7 +44,7 @@ class PlanViews:
 
     def exchange_trials(self) -> list[dict]:
         """With ``Compression.auto(objective="time")`` or ``Compression.planned()``: every
-        round of trials so far (see :meth:`cgx.deciding.TrialDecider.rounds`: the plans
+        round of trials so far (see :meth:`cgx.policy.trials.TrialDecider.rounds`: the plans
         tried, measured and predicted step, bytes, error, the budget, the plan kept); empty
         in other modes."""
         decider = self.gradient_plan().decider

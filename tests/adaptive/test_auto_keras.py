@@ -35,7 +35,7 @@ def _keras_auto(rank, world, tmp):
     loaded = hvd.load_model(path)
     loaded.fit(x[:16], y[:16], batch_size=16, epochs=1, shuffle=False, verbose=0)
     after = [(r["layer"], r["level"]) for r in loaded.optimizer.compression_plan()]
-    from cgx.adaptive.compensation import update_rule_of
+    from cgx.policy.update_rule import update_rule_of
     rules = [update_rule_of(o).value for o in (
         keras.optimizers.SGD(0.1, momentum=0.9), keras.optimizers.AdamW(),
         keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()))]

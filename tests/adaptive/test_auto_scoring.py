@@ -129,7 +129,7 @@ def test_error_feedback_follows_the_optimizer_in_every_family(optimizer):
 def test_without_error_feedback_the_default_families_are_quantization_only(world):
     # AdamW: top-k and PowerSGD, biased without residuals, are not offered beside
     # quantization (the layers that took them under SGD are quantized); a quantized layer
-    # keeps a residual exactly where its measured compensation (cgx.adaptive.probe) does.
+    # keeps a residual exactly where its measured compensation (cgx.policy.levels.probe) does.
     families = ("quantize", "topk", "powersgd")
     outs = run_gloo(_residuals_by_optimizer, world, "adamw", families)
     assert all(o["compensation"] == outs[0]["compensation"] for o in outs)  # on every rank
@@ -194,8 +194,8 @@ def test_a_layer_unused_after_a_plan_keeps_the_level_it_had():
 def test_under_an_adaptive_optimizer_topk_and_powersgd_are_not_offered_beside_quantization():
     # their residuals are classic, which Adam's second moment takes badly (with
     # error_feedback=True the LM ended 2.0% above fp32 with them, 0.5% without residuals)
-    from cgx.adaptive.candidates import Family
-    from cgx.adaptive.schedule import offered_families
+    from cgx.policy.levels.candidates import Family
+    from cgx.policy.levels.schedule import offered_families
     every = ("quantize", "topk", "powersgd")
     assert offered_families(every, True) == [Family.QUANTIZE, Family.TOPK, Family.POWERSGD]
     assert offered_families(every, True, adaptive=True) == [Family.QUANTIZE]

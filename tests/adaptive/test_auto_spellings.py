@@ -118,7 +118,7 @@ def test_ddp_hook_auto_error_feedback_follows_the_optimizer(optimizer, env_ef):
     # The environment says the opposite of the optimizer's rule: the optimizer wins, as in
     # DistributedOptimizer; an explicit error_feedback= wins over both, and the user's
     # Compression.auto object is left as it was (error_feedback=None).
-    # Each quantized layer's compensation is then measured (cgx.adaptive.probe): it keeps
+    # Each quantized layer's compensation is then measured (cgx.policy.levels.probe): it keeps
     # a residual where that is not "none"; a layer not measured keeps the rule's.
     default = "error_feedback" if optimizer == "sgd" else "none"
     for out in run_gloo(_ddp_error_feedback, 2, optimizer, env_ef):

@@ -75,7 +75,7 @@ def _window_counts(rank, world):
 
 def test_the_ranks_split_the_windows_measurements():
     # the exchange tells the schedule its rank: each planned layer measured once per sampled
-    # step, by one rank (cgx.adaptive.stats.measuring_ranks), over both ranks in the window
+    # step, by one rank (cgx.policy.levels.stats.measuring_ranks), over both ranks in the window
     counts = run_gloo(_window_counts, 2)
     layers = set(counts[0]) | set(counts[1])
     assert layers == {"0.weight", "2.weight", "4.weight"}

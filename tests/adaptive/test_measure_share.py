@@ -5,8 +5,8 @@ together the ranks measure what one rank measuring everything would."""
 import pytest
 import torch
 
-from cgx.adaptive import AdaptiveSchedule
-from cgx.adaptive.stats import measuring_ranks
+from cgx.policy.levels import AdaptiveSchedule
+from cgx.policy.levels.stats import measuring_ranks
 from cgx.compression import Compression
 from cgx.config import Config
 

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from cgx.adaptive import Candidate, Family, candidates_for
-from cgx.adaptive.stats import PowerSGDScorer, topk_errors
+from cgx.policy.levels import Candidate, Family, candidates_for
+from cgx.policy.levels.stats import PowerSGDScorer, topk_errors
 from cgx.compression import Compression
 from cgx.compression.powersgd import PowerSGDCompressor, initial_q
 from cgx.compression.topk import TopKCompressor
@@ -70,7 +70,7 @@ def test_powersgd_error_is_what_one_warm_started_power_iteration_sends():
 
 
 def test_quantization_error_is_measured_with_the_exchanges_rounding():
-    from cgx.adaptive import AdaptiveSchedule
+    from cgx.policy.levels import AdaptiveSchedule
     from cgx.quant.codec import QuantSpec, quantize
     from cgx.config import Config, Rounding
     x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
@@ -262,7 +262,7 @@ def test_a_residual_handed_to_quantization_is_sent():
 
 
 def test_error_feedback_follows_the_optimizers_update_rule():
-    from cgx.adaptive.compensation import UpdateRule, update_rule_of
+    from cgx.policy.update_rule import UpdateRule, update_rule_of
     from cgx.config import Config
     from cgx.exchange import GradientPlan
     w = [torch.nn.Parameter(torch.zeros(3))]
@@ -292,7 +292,7 @@ def test_error_feedback_follows_the_optimizers_update_rule():
 
 def test_layers_the_planner_keeps_exact_leave_their_budget_to_the_others():
     from types import SimpleNamespace
-    from cgx.adaptive import AdaptiveSchedule
+    from cgx.policy.levels import AdaptiveSchedule
     from cgx.config import Config
     one = SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))
     shapes = [(256, 128), (256, 128), (128, 64)]
@@ -319,7 +319,7 @@ def test_the_window_reads_a_gradient_only_at_the_steps_that_measure_it():
     # a layer that may pick PowerSGD is read at every step (its scorer's warm start follows
     # the exchange's); an ineligible layer never. The factor path copies a gradient only
     # where it is read (cgx.torch.bucket_exchange).
-    from cgx.adaptive import AdaptiveSchedule
+    from cgx.policy.levels import AdaptiveSchedule
     from cgx.config import Config
     shapes = [(64, 64), (64, 64), (64,)]
     sched = AdaptiveSchedule(["q", "p", "b"], shapes, [True, True, False],
@@ -340,7 +340,7 @@ def test_the_window_reads_a_gradient_only_at_the_steps_that_measure_it():
 def test_a_gradient_that_is_not_finite_is_not_measured():
     # a loss-scaling overflow's step (inf or nan in a gradient) would make every error of
     # the layer infinite for the window: it is skipped, as an all-zero gradient is
-    from cgx.adaptive import AdaptiveSchedule
+    from cgx.policy.levels import AdaptiveSchedule
     from cgx.config import Config
     sched = AdaptiveSchedule(["w", "v"], [(64, 64), (64, 64)], [True, True],
                              Compression.auto(window=4, families=("quantize",)), Config())

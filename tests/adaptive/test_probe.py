@@ -1,4 +1,4 @@
-"""The compensation probe (cgx.adaptive.probe): its sample, its shadow of the optimizer,
+"""The compensation probe (cgx.policy.levels.probe): its sample, its shadow of the optimizer,
 what it measures on gradients whose answer is known, the decision rule, and a schedule's
 decisions kept through a checkpoint."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cgx.adaptive import probe
-from cgx.adaptive.compensation import Compensation, UpdateRule
-from cgx.adaptive.probe import (LayerProbe, ShadowUpdate, choose, measures, options_for,
+from cgx.policy.levels import probe
+from cgx.policy.update_rule import Compensation, UpdateRule
+from cgx.policy.levels.probe import (LayerProbe, ShadowUpdate, choose, measures, options_for,
                                 sample_index)
 from cgx.config import Rounding
 from cgx.quant.codec import QuantSpec
@@ -112,8 +112,8 @@ def test_a_layer_that_does_not_move_is_not_measured():
 
 
 def _schedule(options):
-    from cgx.adaptive.schedule import AdaptiveSchedule
-    from cgx.compression.auto import AutoCompression
+    from cgx.policy.levels.schedule import AdaptiveSchedule
+    from cgx.compression.auto_policy import AutoCompression
     from cgx.config import Config
     return AdaptiveSchedule(["a", "b"], [(64, 64), (32, 64)], [True, True],
                             AutoCompression(window=4, adjust_every=8, families=("quantize",)),

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from cgx.adaptive import Candidate, Family, candidates_for
-from cgx.adaptive.stats import (SAMPLE_VALUES, bucket_sample, candidate_errors, cast_error,
+from cgx.policy.levels import Candidate, Family, candidates_for
+from cgx.policy.levels.stats import (SAMPLE_VALUES, bucket_sample, candidate_errors, cast_error,
                                 lowrank_errors, quantization_error, topk_errors)
 from cgx.config import Rounding
 from cgx.quant.codec import QuantSpec

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from cgx.adaptive import Candidate, Family, candidates_for, solve
+from cgx.policy.levels import Candidate, Family, candidates_for, solve
 from cgx.compression import Compression
 from cgx.quant.codec import QuantSpec
 
@@ -22,7 +22,7 @@ def _brute(costs, errors, budget):
 
 
 def _native_built():
-    from cgx.adaptive.solver import _native_knapsack
+    from cgx.policy.levels.solver import _native_knapsack
     return _native_knapsack() is not None
 
 

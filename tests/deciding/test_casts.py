@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from cgx.adaptive.candidates import CASTS, Candidate, Family, candidates_for, parse_families
-from cgx.adaptive.solver import solve
-from cgx.adaptive.stats import candidate_errors, cast_error
+from cgx.policy.levels.candidates import CASTS, Candidate, Family, candidates_for, parse_families
+from cgx.policy.levels.solver import solve
+from cgx.policy.levels.stats import candidate_errors, cast_error
 from cgx.compression import Compression
-from cgx.compression.auto import CASTS as CAST_NAMES, FAMILIES
+from cgx.compression.auto_policy import CASTS as CAST_NAMES, FAMILIES
 from spawn import run_gloo
 
 
@@ -197,7 +197,7 @@ def _fused_cast(rank, world):
     import cgx.torch as hvd
     from cgx import runtime
     from cgx.comm.base import ReduceOp
-    from cgx.exchange.auto import FusedCast
+    from cgx.exchange.per_layer import FusedCast
     hvd.init()
     tr = runtime.transport()
     out = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cgx.deciding.trials import resolution
+from cgx.policy.trials.rounds import resolution
 from spawn import run_gloo
 
 WINDOW, TRIAL_STEPS = 3, 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cgx.compression import AutoCompression, Compression, fixed
-from cgx.compression.auto import default_policy
+from cgx.compression.auto_policy import default_policy
 from cgx.compression.quantize import QuantizeCompressor
 from cgx.config import AutoObjective, CompressionMode, Config
 from spawn import run_gloo

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cgx.deciding.trials import resolution
+from cgx.policy.trials.rounds import resolution
 from spawn import run_gloo
 from test_deciding_adapters import _keras  # model.fit, the trials of either mode
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from cgx.compression import Compression
-from cgx.compression.trials import TrialSettings
-from cgx.deciding.trials import (Event, Phase, PlanRecord, Trials, choose, format_trials,
+from cgx.compression.trial_settings import TrialSettings
+from cgx.policy.trials.rounds import (Event, Phase, PlanRecord, Trials, choose, format_trials,
                                  resolution, step_noise)
 
 ONE = types.SimpleNamespace(size=1, rank=0, device=torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""cgx.planner.calibration and the command line, on this machine (one process) and on
+"""cgx.policy.planner.calibration and the command line, on this machine (one process) and on
 2 real ranks (the link model every rank agrees on)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from cgx.planner import Collective
-from cgx.planner.calibration import compressor_throughput, link_model, trace_backward
+from cgx.policy.planner import Collective
+from cgx.policy.planner.calibration import compressor_throughput, link_model, trace_backward
 from spawn import run_gloo
 
 
@@ -63,7 +63,7 @@ def test_compressor_throughput_is_measured():
 
 
 def test_the_machines_throughput_is_measured_once_per_setting(monkeypatch):
-    from cgx.planner import calibration
+    from cgx.policy.planner import calibration
     calls = []
     real = calibration.compressor_throughput
     monkeypatch.setattr(calibration, "compressor_throughput",
@@ -87,7 +87,7 @@ def test_command_line_prints_the_plan(tmp_path):
             return nn.Sequential(nn.Linear(32, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
                                  nn.Linear(2048, 10))
     """))
-    out = subprocess.run([sys.executable, "-m", "cgx.planner", "tinymodels:mlp", "--input", "8,32",
+    out = subprocess.run([sys.executable, "-m", "cgx.policy.planner", "tinymodels:mlp", "--input", "8,32",
                           "--world", "4", "--gbit", "1"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
@@ -96,17 +96,17 @@ def test_command_line_prints_the_plan(tmp_path):
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 2.weight |")]
     # The 2048 x 2048 layer at batch 8 on 4 ranks: factors are 32x smaller, and chosen.
     assert len(rows) == 1 and "| sfb |" in rows[0], out.stdout
-    bad = subprocess.run([sys.executable, "-m", "cgx.planner", "nomodule:f", "--input", "2,3"],
+    bad = subprocess.run([sys.executable, "-m", "cgx.policy.planner", "nomodule:f", "--input", "2,3"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "cannot load 'nomodule:f'" in bad.stderr
     # A host whose cores the ranks share: the model says how much (threads per core).
-    shared = subprocess.run([sys.executable, "-m", "cgx.planner", "tinymodels:mlp", "--input",
+    shared = subprocess.run([sys.executable, "-m", "cgx.policy.planner", "tinymodels:mlp", "--input",
                              "8,32", "--ranks-per-host", "4", "--transport-cpu-ns", "1"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert shared.returncode == 0, shared.stderr
     assert "; contention " in shared.stdout and "; contention 0\n" not in shared.stdout
-    wrong = subprocess.run([sys.executable, "-m", "cgx.planner", "tinymodels:mlp", "--input",
+    wrong = subprocess.run([sys.executable, "-m", "cgx.policy.planner", "tinymodels:mlp", "--input",
                             "8,32", "--ranks-per-host", "0"], cwd=tmp_path, capture_output=True,
                            text=True, timeout=300)
     assert wrong.returncode == 2 and "--ranks-per-host must be >= 1" in wrong.stderr
@@ -119,7 +119,7 @@ def test_transport_cpu_leaves_out_the_main_threads_backward():
     import threading
     import time
 
-    from cgx.planner.calibration import _process_cpu
+    from cgx.policy.planner.calibration import _process_cpu
     seen, done = {}, threading.Event()
 
     def engine():

@@ -1,4 +1,4 @@
-"""Where a CUDA tensor's compression runs (cgx.planner.placement), decided on CPU from profiles.
+"""Where a CUDA tensor's compression runs (cgx.policy.planner.placement), decided on CPU from profiles.
 
 The decision is pure arithmetic over a DeviceProfile, so it is tested here without a GPU:
 it flips as the profile says it should (a busy GPU with fast PCIe and host sends tensors
@@ -14,8 +14,8 @@ import pickle
 
 import pytest
 
-from cgx.planner import CostModel, TensorProfile, options_for, plan
-from cgx.planner.placement import (DeviceProfile, Placement, costs, decide, place,
+from cgx.policy.planner import CostModel, TensorProfile, options_for, plan
+from cgx.policy.planner.placement import (DeviceProfile, Placement, costs, decide, place,
                                    placement_of)
 
 H200 = DeviceProfile.h200()
@@ -140,5 +140,5 @@ def test_bad_profile_values_name_the_field(overrides, match):
 def test_bad_profile_dicts_and_models():
     with pytest.raises(ValueError, match="unknown fields"):
         DeviceProfile.from_dict(dict(H200.to_dict(), pcie_gbps=20.0))
-    with pytest.raises(TypeError, match="device must be a cgx.planner.placement.DeviceProfile"):
+    with pytest.raises(TypeError, match="device must be a cgx.policy.planner.placement.DeviceProfile"):
         CostModel.uniform(2, 1.0, device={"gpu_busy": 1.0})

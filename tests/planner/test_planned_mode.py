@@ -268,10 +268,10 @@ def test_settings_are_checked():
 
 
 def test_the_plan_weighs_sufficient_factors_against_its_compressed_option():
-    from cgx.compression.planned import PlannedCompression
+    from cgx.compression.planned_policy import PlannedCompression
     from cgx.quant.codec import QuantSpec
-    from cgx.planner.costs import CostModel
-    from cgx.planner.schedule import PlannedSchedule
+    from cgx.policy.planner.costs import CostModel
+    from cgx.policy.planner.schedule import PlannedSchedule
     from cgx.sufficient_factors import worth_it
     sched = PlannedSchedule(["fc.weight", "frozen.weight"], [(512, 512), (512, 512)],
                             [QuantSpec(4, 1024), None], PlannedCompression())
@@ -298,8 +298,8 @@ def test_a_changed_set_of_gradients_is_traced_again_then_planned():
     and loads the old state into it: the old plan does not fit the new set, so the new
     set is traced for calibrate_steps steps from the next one; the ready times of the
     gradients in both sets carry over by name."""
-    from cgx.compression.planned import PlannedCompression
-    from cgx.planner.schedule import PlannedSchedule
+    from cgx.compression.planned_policy import PlannedCompression
+    from cgx.policy.planner.schedule import PlannedSchedule
     from cgx.quant.codec import QuantSpec
     spec = QuantSpec(4, 1024)
     old = PlannedSchedule(["a.weight", "b.weight"], [(64, 64), (64, 64)], [spec, spec],
@@ -403,11 +403,11 @@ class _TwoRanksHere:
 def test_ready_times_traced_beside_the_exchange_lose_its_cpu_work(monkeypatch, shared):
     """On shared cores the calibration steps' backward ran with the 4-bit exchange taking
     CPU beside it: the plan starts from the traced times minus that work, once."""
-    import cgx.planner.calibration as calibration
-    from cgx.compression.planned import PlannedCompression
+    import cgx.policy.planner.calibration as calibration
+    from cgx.compression.planned_policy import PlannedCompression
     from cgx.quant.codec import QuantSpec
-    from cgx.planner import TensorProfile, options_for
-    from cgx.planner.schedule import PlannedSchedule
+    from cgx.policy.planner import TensorProfile, options_for
+    from cgx.policy.planner.schedule import PlannedSchedule
     monkeypatch.setattr(calibration, "contention", lambda *a, **k: shared)
     names, shapes = ["a.weight", "b.weight", "b.bias"], [(1024, 1024), (512, 1024), (512,)]
     sched = PlannedSchedule(names, shapes, [QuantSpec(4, 1024), QuantSpec(4, 1024), None],
@@ -433,7 +433,7 @@ def _placed(rank, world, slow_gpu):
     host either way: the numerics are the same)."""
     import cgx.torch as hvd
     from cgx.collectives import offload
-    from cgx.planner.placement import DeviceProfile
+    from cgx.policy.planner.placement import DeviceProfile
     hvd.init()
     offloaded = []
     codec = offload.quantize
@@ -475,7 +475,7 @@ def test_a_device_profile_places_each_quantized_tensor_and_the_exchange_follows(
 
 
 def test_a_device_profile_of_the_wrong_type_is_refused():
-    from cgx.compression.planned import PlannedCompression
-    from cgx.planner.schedule import PlannedSchedule
-    with pytest.raises(TypeError, match="takes a cgx.planner.placement.DeviceProfile"):
+    from cgx.compression.planned_policy import PlannedCompression
+    from cgx.policy.planner.schedule import PlannedSchedule
+    with pytest.raises(TypeError, match="takes a cgx.policy.planner.placement.DeviceProfile"):
         PlannedSchedule(["w"], [(4, 4)], [None], PlannedCompression(device_profile="h200"))

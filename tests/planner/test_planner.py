@@ -1,4 +1,4 @@
-"""cgx.planner: the step simulator on hand-made timelines, the planner's decisions where
+"""cgx.policy.planner: the step simulator on hand-made timelines, the planner's decisions where
 the answer is known, and the greedy planner against brute force."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from cgx.planner import (AlphaBeta, Collective, CostModel, Option, TensorProfile, format_exchange,
+from cgx.policy.planner import (AlphaBeta, Collective, CostModel, Option, TensorProfile, format_exchange,
                          options_for, plan, simulate)
-from cgx.planner.calibration import contention
-from cgx.planner.simulator import advance, group_cost
-from cgx.planner.strategy import _apply, _compose, _terminal, fusion_groups
+from cgx.policy.planner.calibration import contention
+from cgx.policy.planner.simulator import advance, group_cost
+from cgx.policy.planner.strategy import _apply, _compose, _terminal, fusion_groups
 from cgx.sufficient_factors import worth_it
 
 

@@ -1,10 +1,10 @@
-"""cgx.planner.scaling: the layer profiles are the real models', and predictions behave."""
+"""cgx.policy.planner.scaling: the layer profiles are the real models', and predictions behave."""
 
 from __future__ import annotations
 
 import pytest
 
-from cgx.planner.scaling import MODELS, main, predict, profile
+from cgx.policy.planner.scaling import MODELS, main, predict, profile
 
 
 def test_layer_profiles_have_the_published_parameter_counts():

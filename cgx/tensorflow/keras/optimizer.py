@@ -21,7 +21,7 @@ import keras
 import tensorflow as tf
 from keras.src.utils import tracking  # LossScaleOptimizer's tool: build() adds no attributes
 
-from cgx.adaptive.compensation import update_rule_of
+from cgx.policy.update_rule import update_rule_of
 from cgx.comm.base import ReduceOp
 from cgx.compression import Compression, fixed
 from cgx.exchange import ExchangeOptions, check_wrapped_once
@@ -245,7 +245,7 @@ class DistributedOptimizer(DelegatesToInner, keras.optimizers.Optimizer):
 
     def compression_plan(self) -> list[dict]:
         """Per variable: layer, shape, family, level, bytes, error and share of the error
-        budget of the current plan (``compression="auto"``; see ``cgx.adaptive.format_levels``)."""
+        budget of the current plan (``compression="auto"``; see ``cgx.policy.levels.format_levels``)."""
         return self._exchange.compression_plan()
 
     def exchange_trials(self) -> list[dict]:

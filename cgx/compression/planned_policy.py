@@ -1,8 +1,8 @@
 """``Compression.planned(...)``: the settings of the planned exchange.
 
 This object only holds and validates the settings; the work is done by
-:mod:`cgx.planner` (calibration, the simulator, the planner) through
-:class:`cgx.planner.schedule.PlannedSchedule`, driven by the gradient plan of
+:mod:`cgx.policy.planner` (calibration, the simulator, the planner) through
+:class:`cgx.policy.planner.schedule.PlannedSchedule`, driven by the gradient plan of
 ``DistributedOptimizer``.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from cgx.compression.policy import Policy
-from cgx.compression.trials import TrialSettings
+from cgx.compression.trial_settings import TrialSettings
 
 
 class PlannedCompression(Policy):
@@ -20,7 +20,7 @@ class PlannedCompression(Policy):
     The first ``calibrate_steps`` steps run the uniform quantized exchange while the
     backward's gradient-ready times are recorded; then every rank measures the link
     (alpha-beta per collective) and the quantizer, the ranks agree on the profile, and
-    each tensor gets its option (see :mod:`cgx.planner`). A tensor whose exchange hides
+    each tensor gets its option (see :mod:`cgx.policy.planner`). A tensor whose exchange hides
     under backward stays exact: it costs no time and gets no compression error.
 
     Args:
@@ -36,7 +36,7 @@ class PlannedCompression(Policy):
             again and the plan remade. A ratio the model keeps missing after a re-plan is
             taken as its bias: from then on only a change of the ratio triggers a re-plan.
         drift_tolerance: relative drift that triggers a re-plan (default 0.25).
-        trials: after each plan, let the step clock decide (:mod:`cgx.deciding.planned`):
+        trials: after each plan, let the step clock decide (:mod:`cgx.policy.trials.planned_decider`):
             all exact (fused), all at the fixed level and the planner's plan each run
             ``trial_steps`` measured steps (after ``trial_warmup_steps``), the ranks agree
             on the times, the fastest is kept. The kept plan is then checked every
@@ -47,7 +47,7 @@ class PlannedCompression(Policy):
         trial_runoffs: extra turns for the plans measured within 10% of the fastest, their
             times pooled; after the first, only for those still tied with it (0: none).
         device_profile: for CUDA gradients, where compression may run
-            (:class:`cgx.planner.placement.DeviceProfile`: the GPU's kernels or the host's
+            (:class:`cgx.policy.planner.placement.DeviceProfile`: the GPU's kernels or the host's
             C path on pinned copies, per tensor, weighed by the planner; see
             docs/placement.md). None (default): measured on the GPU at each plan
             (``calibrate_device``, about a second); for CPU gradients, no choice. Given
@@ -88,7 +88,7 @@ class PlannedCompression(Policy):
         self.drift_tolerance = float(drift_tolerance)
         self.assume_gbit = None if assume_gbit is None else float(assume_gbit)
         self.error_feedback = error_feedback
-        self.device_profile = device_profile  # checked by cgx.planner.schedule
+        self.device_profile = device_profile  # checked by cgx.policy.planner.schedule
         if not isinstance(trials, bool):
             raise TypeError(f"trials must be True or False, got {trials!r}")
         self.trials = TrialSettings(steps=trial_steps, warmup_steps=trial_warmup_steps,

@@ -18,7 +18,7 @@ Timeline (``c`` = calibrate_steps)::
                    reduction) is agreed (MAX over ranks of each rank's median) and compared
                    with the prediction; a drift beyond ``drift_tolerance`` re-measures and
                    re-plans from the latest ready times (``Compression.planned(trials=False)``;
-                   with trials, :mod:`cgx.deciding.planned` tries each plan against exact and
+                   with trials, :mod:`cgx.policy.trials.planned_decider` tries each plan against exact and
                    uniform, keeps the fastest and checks it against its trial instead)
 
 Every input of the planner is agreed over the ranks and the planner is deterministic,
@@ -37,11 +37,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.compression.planned import PlannedCompression
+from cgx.compression.planned_policy import PlannedCompression
 from cgx.config import ReductionType
-from cgx.planner.costs import Collective, CostModel, Option, TensorProfile
-from cgx.planner.simulator import SimulatedStep
-from cgx.planner.strategy import ExchangePlan, format_exchange, plan
+from cgx.policy.planner.costs import Collective, CostModel, Option, TensorProfile
+from cgx.policy.planner.simulator import SimulatedStep
+from cgx.policy.planner.strategy import ExchangePlan, format_exchange, plan
 
 STATE_FORMAT = 1
 _FAMILY = {ReductionType.SRA: "sra", ReductionType.RING: "sra",
@@ -81,11 +81,11 @@ class PlannedSchedule:
     def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]], specs: Sequence,
                  settings: PlannedCompression, algorithm: ReductionType = ReductionType.SRA,
                  fusion_mb: float = 64.0, place: bool = False):
-        from cgx.planner.placement import DeviceProfile
+        from cgx.policy.planner.placement import DeviceProfile
         given = getattr(settings, "device_profile", None)
         if given is not None and not isinstance(given, DeviceProfile):
             raise TypeError("Compression.planned(device_profile=) takes a "
-                            "cgx.planner.placement.DeviceProfile (e.g. DeviceProfile.h200()) "
+                            "cgx.policy.planner.placement.DeviceProfile (e.g. DeviceProfile.h200()) "
                             f"or None, got {given!r}")
         self.names = list(names)
         self._position = {n: i for i, n in enumerate(self.names)}
@@ -117,7 +117,7 @@ class PlannedSchedule:
         # offered, agreed by every rank, and what the plan chose for them, by index.
         self._factor_rows: dict[int, int] = {}
         self._factors_planned: dict[int, tuple[int, bool]] = {}  # index -> (rows, factors?)
-        # A trial's say for every factor layer (cgx.deciding): True, Poseidon's byte rule;
+        # A trial's say for every factor layer (cgx.policy.trials): True, Poseidon's byte rule;
         # False, never; None, the plan's per-layer choice (below).
         self.factors_rule: Optional[bool] = None
 
@@ -218,8 +218,8 @@ class PlannedSchedule:
     def _factors_go(self, name: str, rows: int, ranks: int, out_features: int,
                     in_features: int, rule: Optional[bool]) -> bool:
         """:meth:`prefer_factors`'s answer under ``rule`` (None: the plan's)."""
-        from cgx.planner.costs import OptionMaker
-        from cgx.planner.simulator import group_cost
+        from cgx.policy.planner.costs import OptionMaker
+        from cgx.policy.planner.simulator import group_cost
         from cgx.sufficient_factors import worth_it
         i = self._position.get(name)
         if rule is not None:
@@ -257,7 +257,7 @@ class PlannedSchedule:
     def _cpu_of(self, tensors: Sequence[TensorProfile], compressed: Sequence[bool],
                 cost: CostModel) -> float:
         """The exchange's CPU work (``Option.cpu_s`` summed) with ``compressed[i]`` per tensor."""
-        from cgx.planner.costs import OptionMaker
+        from cgx.policy.planner.costs import OptionMaker
         make = OptionMaker(cost, (self.settings.bits,), ("exact", self.family))
         total = 0.0
         for t, c in zip(tensors, compressed):
@@ -276,7 +276,7 @@ class PlannedSchedule:
         if self.plan is None or self.chosen is None or self.plan.model.device is None:
             return None
         if self._placements is None:
-            from cgx.planner.placement import placement_of
+            from cgx.policy.planner.placement import placement_of
             self._placements = [placement_of(o.name) if c else None
                                 for o, c in zip(self.plan.chosen, self.chosen)]
         return self._placements
@@ -428,7 +428,7 @@ def agreed_profile(ready_times: list, settings, transport,
     per tensor, this rank's traced ready times; ``settings``: the PlannedCompression;
     ``device``: the device profile to weigh placements with (None: no choice)."""
     from cgx.comm.base import ReduceOp
-    from cgx.planner.calibration import (contention, link_model, machine_throughput,
+    from cgx.policy.planner.calibration import (contention, link_model, machine_throughput,
                                          ranks_on_this_host)
     n = len(ready_times)
     local = torch.tensor([statistics.median(r) if r else 0.0 for r in ready_times] + [
@@ -454,12 +454,12 @@ def agreed_profile(ready_times: list, settings, transport,
 
 def device_profile(settings, transport):
     """Where compression may run, for the planner: ``settings.device_profile`` when given;
-    on a CUDA transport, rank 0's :func:`cgx.planner.placement.calibrate_device` (every
+    on a CUDA transport, rank 0's :func:`cgx.policy.planner.placement.calibrate_device` (every
     rank plans with the same; a collective); else None (CPU tensors: no choice)."""
     given = getattr(settings, "device_profile", None)
     if given is not None or transport.device.type != "cuda":
         return given
-    from cgx.planner.placement import DeviceProfile, calibrate_device
+    from cgx.policy.planner.placement import DeviceProfile, calibrate_device
     mine = calibrate_device(transport.device, bits=settings.bits,
                             bucket_size=settings.bucket_size).to_dict() \
         if transport.rank == 0 else None

@@ -5,10 +5,10 @@ decides (``Compression.auto(objective="time")`` and ``Compression.planned()``).
 the proposals, says at every step which plan travels, reports the decision, and when the
 kept plan's measured step or the link drifts, has the planner measure the link again and
 starts a new round. :class:`Decider` is auto's: it sits beside
-:class:`cgx.adaptive.AdaptiveSchedule` (the errors) and the planner's
-:class:`cgx.planner.schedule.PlannedSchedule` (the simulated step) and asks both for
-proposals (:mod:`cgx.deciding.proposals`) after each of auto's plans.
-:class:`cgx.deciding.planned.PlannedDecider` is the planned mode's (time only).
+:class:`cgx.policy.levels.AdaptiveSchedule` (the errors) and the planner's
+:class:`cgx.policy.planner.schedule.PlannedSchedule` (the simulated step) and asks both for
+proposals (:mod:`cgx.policy.trials.proposals`) after each of auto's plans.
+:class:`cgx.policy.trials.planned_decider.PlannedDecider` is the planned mode's (time only).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import sys
 import time
 from typing import Optional
 
-from cgx.compression.auto import AutoCompression
-from cgx.compression.trials import TrialSettings
-from cgx.planner.calibration import link_probe
-from cgx.deciding.proposals import (Proposal, error_budget, plan_from_lists, plan_to_lists,
+from cgx.compression.auto_policy import AutoCompression
+from cgx.compression.trial_settings import TrialSettings
+from cgx.policy.planner.calibration import link_probe
+from cgx.policy.trials.proposals import (Proposal, error_budget, plan_from_lists, plan_to_lists,
                                     propose, select)
-from cgx.deciding.trials import Event, Phase, Trials, agree_max, format_trials
+from cgx.policy.trials.rounds import Event, Phase, Trials, agree_max, format_trials
 
 STATE_FORMAT = 1
 

@@ -1,7 +1,7 @@
 """``Compression.auto(...)``: the settings of per-layer adaptive compression.
 
 This object only holds and validates the settings; the work is done by
-:mod:`cgx.adaptive` (statistics, candidates, the solver, the schedule), driven
+:mod:`cgx.policy.levels` (statistics, candidates, the solver, the schedule), driven
 by the gradient plan of ``DistributedOptimizer``.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from cgx.compression.policy import Policy
-from cgx.compression.trials import TrialSettings
+from cgx.compression.trial_settings import TrialSettings
 from cgx.config import AutoObjective, CompressionMode, Config, Rounding
 
-FAMILIES = ("quantize", "topk", "powersgd")  # families cgx.adaptive chooses from by default
+FAMILIES = ("quantize", "topk", "powersgd")  # families cgx.policy.levels chooses from by default
 CASTS = ("fp16", "bf16")  # 16-bit casts: offered too, by default with objective="time"
 # "exact" alone: every layer travels exact through auto's path (it measures and plans, and
 # exact is the only level): a check of that path against the plain exact exchange.
@@ -69,7 +69,7 @@ def _check_levels(fams, bits, bucket_sizes, densities, ranks) -> tuple:
 
 
 class AutoCompression(Policy):
-    """Per-layer levels chosen within an error budget (L-GreCo); see :mod:`cgx.adaptive`.
+    """Per-layer levels chosen within an error budget (L-GreCo); see :mod:`cgx.policy.levels`.
 
     Args:
         alpha: the plan's total error may be at most ``alpha`` times the error of
@@ -82,7 +82,7 @@ class AutoCompression(Policy):
             compares with L-GreCo's single-family modes). Without error
             feedback (Adam-type optimizers), top-k and PowerSGD are offered only when
             quantization is not (they are biased without it; see
-            :func:`cgx.adaptive.schedule.offered_families`). ``("exact",)``:
+            :func:`cgx.policy.levels.schedule.offered_families`). ``("exact",)``:
             exact is every layer's only candidate (uncompressed float32 throughout, by the
             same exchange path: a check of auto's machinery against the exact exchange).
         window: steps whose gradients are accumulated for the statistics (> 0).
@@ -93,7 +93,7 @@ class AutoCompression(Policy):
         densities: the top-k levels (fractions kept).
         ranks: the PowerSGD levels (columns of the factors).
         rounding: rounding of what is sent (default: ``CGX_COMPRESSION_ROUNDING``).
-        planner: before each plan, let the planner (:mod:`cgx.planner`) mark the layers
+        planner: before each plan, let the planner (:mod:`cgx.policy.planner`) mark the layers
             for which compressing saves no time (their exchange hides under backward, or
             is cheaper than compressing; from the traced ready times and the measured
             link): they stay exact, and their share of the error budget goes to the others.
@@ -105,7 +105,7 @@ class AutoCompression(Policy):
             baselines, every tensor exact in fused buckets (what DDP does) and the uniform
             default; each within the budget runs ``trial_steps`` steps, the ranks agree
             on the measured steps and the fastest is kept (fewest bytes among ties);
-            re-tried when the kept plan's step drifts (see :mod:`cgx.deciding`).
+            re-tried when the kept plan's step drifts (see :mod:`cgx.policy.trials`).
         trial_steps, recheck_every, drift_tolerance: with ``objective="time"``: measured
             steps per tried plan (>= 1), steps between checks of the kept plan (0: never),
             the relative change of its step that starts new trials.
@@ -119,8 +119,8 @@ class AutoCompression(Policy):
         error_feedback: keep residuals, in every family (None: by the optimizer's update
             rule, on under SGD, off under Adam-type optimizers; for an optimizer cgx
             does not know, ``CGX_COMPRESSION_ERROR_FEEDBACK``; see
-            :mod:`cgx.adaptive.compensation`). A quantized layer's compensation is then
-            measured per layer (:mod:`cgx.adaptive.probe`): with None, between none,
+            :mod:`cgx.policy.update_rule`). A quantized layer's compensation is then
+            measured per layer (:mod:`cgx.policy.levels.probe`): with None, between none,
             classic feedback and a moving average; with True, between the last two
             (``CGX_COMPENSATION=classic`` or ``moving_average`` fixes the form). With
             ``objective="time"``, None means

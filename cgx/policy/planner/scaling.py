@@ -16,8 +16,8 @@ import dataclasses
 import math
 from typing import Iterable, Optional, Sequence
 
-from cgx.planner.costs import CostModel, TensorProfile
-from cgx.planner.strategy import plan
+from cgx.policy.planner.costs import CostModel, TensorProfile
+from cgx.policy.planner.strategy import plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +180,7 @@ def plot(preds: Sequence[Prediction], path: str) -> None:
 def main(argv=None) -> int:
     import argparse
     import os
-    p = argparse.ArgumentParser(prog="python -m cgx.planner.scaling",
+    p = argparse.ArgumentParser(prog="python -m cgx.policy.planner.scaling",
                                 description="Predicted step time and speed-up over DDP fp32, "
                                             "2 to 64 nodes (table and PNG plot).")
     p.add_argument("--models", default=",".join(MODELS))
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"unknown model(s) {bad}; choose from {sorted(MODELS)}")
     flops = args.flops or measure_flops()
-    from cgx.planner.calibration import compressor_throughput
+    from cgx.policy.planner.calibration import compressor_throughput
     tp = compressor_throughput()
     preds = [predict(m, n, float(g), batch=args.batch, flops=flops, ranks_per_node=r, throughput=tp)
              for m in args.models.split(",") for g in args.gbit.split(",")

@@ -3,10 +3,10 @@ at its fixed level): the model proposes whole exchange plans (proposals.py; plan
 the planned mode), trials run them and the ranks agree on the measured steps (trials.py),
 the fastest within the error budget travels and is watched (decider.py)."""
 
-from cgx.deciding.decider import Decider, TrialDecider
-from cgx.deciding.planned import PlannedDecider
-from cgx.deciding.proposals import Proposal, propose, select
-from cgx.deciding.trials import (Event, Phase, PlanRecord, Trials, choose, format_round,
+from cgx.policy.trials.decider import Decider, TrialDecider
+from cgx.policy.trials.planned_decider import PlannedDecider
+from cgx.policy.trials.proposals import Proposal, propose, select
+from cgx.policy.trials.rounds import (Event, Phase, PlanRecord, Trials, choose, format_round,
                                  format_trials)
 
 __all__ = ["Decider", "Event", "Phase", "PlanRecord", "PlannedDecider", "Proposal",

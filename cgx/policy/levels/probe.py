@@ -2,7 +2,7 @@
 the layer's values, once with the true gradients and once per compensation.
 
 Whether feeding quantization errors back helps depends on the optimizer and on the layer
-(:mod:`cgx.adaptive.compensation`): SGD's update is linear in the gradients, so classic
+(:mod:`cgx.policy.update_rule`): SGD's update is linear in the gradients, so classic
 error feedback, whose sent errors telescope, keeps its trajectory closest; Adam divides by
 a running root mean square, so the doubled error power of classic feedback shrinks every
 step (a bias that accumulates), and whether a moving average (or nothing) is better
@@ -10,7 +10,7 @@ depends on how large the quantization error is against the layer's gradient and 
 of it is systematic. Rather than assume, auto measures it during its window:
 
 For each layer it plans, one rank (the layers dealt out as the error measurements are,
-:func:`cgx.adaptive.stats.measuring_ranks`) follows a fixed sample of the layer's values
+:func:`cgx.policy.levels.stats.measuring_ranks`) follows a fixed sample of the layer's values
 (up to :data:`PROBE_VALUES`, whole quantization buckets spread evenly over the layer)
 through every step of the window. At each step the sample of the gradient ``g`` is
 quantized at the layer's level in force three ways, one per :class:`Compensation`,
@@ -30,7 +30,7 @@ feedback's shortfall 0.04-0.10 of the path larger than none's under AdamW on eve
 (in training it ends 5% higher), and under SGD classic feedback's shortfall the smallest
 and its noise 7-9% of none's (in training it ends lowest; docs/results/adaptive-probe-2bit.md,
 adaptive-probe-2bit-sgd.md, adaptive.md). The per-layer sums are added over ranks with one
-allreduce at the re-plan (:func:`cgx.adaptive.stats.combine`), so every rank takes the
+allreduce at the re-plan (:func:`cgx.policy.levels.stats.combine`), so every rank takes the
 same decision.
 
 The sample is the rank's own gradient (before the average), quantized once: the exchange
@@ -52,7 +52,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.adaptive.compensation import Compensation, UpdateRule, average_in, bucket_clamp
+from cgx.policy.update_rule import Compensation, UpdateRule, average_in, bucket_clamp
 
 PROBE_VALUES = 1 << 13  # values of a layer the probe follows (whole buckets)
 SHORTFALL_TIE = 0.005  # shortfalls this close (a share of the path) are a tie

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from cgx.planner.costs import CostModel, Option, TensorProfile
+from cgx.policy.planner.costs import CostModel, Option, TensorProfile
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,14 +1,14 @@
 """What the model proposes for a round of trials: whole-exchange plans with their bytes,
 measured error and simulated step.
 
-A plan is one :class:`cgx.adaptive.candidates.Candidate` (or None: not planned, exact)
+A plan is one :class:`cgx.policy.levels.candidates.Candidate` (or None: not planned, exact)
 per gradient. The proposals of one round:
 
 - ``exact``: every gradient exact, in fused buckets (what DDP does);
 - ``uniform``: the uniform default level wherever the rules allow (what fixed 4-bit does);
-- ``planner``: the planner's choice (:mod:`cgx.planner`): the uniform level where compressing
+- ``planner``: the planner's choice (:mod:`cgx.policy.planner`): the uniform level where compressing
   shortens the simulated step, exact where the exchange hides under backward;
-- ``fewest bytes``: auto's knapsack (:mod:`cgx.adaptive`): the fewest bytes within the error
+- ``fewest bytes``: auto's knapsack (:mod:`cgx.policy.levels`): the fewest bytes within the error
   budget, every family offered;
 - ``planner + fewest bytes``: the knapsack with the planner's exact tensors kept exact, their
   share of the budget spent on the others;
@@ -38,10 +38,10 @@ import dataclasses
 import math
 from typing import Optional, Sequence
 
-from cgx.adaptive.candidates import CASTS, Candidate, Family
-from cgx.deciding.trials import PlanRecord
-from cgx.planner.costs import Collective, OptionMaker
-from cgx.planner.simulator import simulate
+from cgx.policy.levels.candidates import CASTS, Candidate, Family
+from cgx.policy.trials.rounds import PlanRecord
+from cgx.policy.planner.costs import Collective, OptionMaker
+from cgx.policy.planner.simulator import simulate
 
 
 @dataclasses.dataclass
@@ -102,7 +102,7 @@ def distinct(plans):
 
 def with_factors(adaptive, plan: Sequence, sends: dict, world: int) -> tuple[int, float]:
     """``plan``'s bytes and error with the layers of ``sends`` (index: bytes, from
-    :meth:`cgx.planner.schedule.PlannedSchedule.factor_sends`) sent as factors."""
+    :meth:`cgx.policy.planner.schedule.PlannedSchedule.factor_sends`) sent as factors."""
     exact = Candidate(Family.EXACT)
     masked = [exact if i in sends else c for i, c in enumerate(plan)]
     moved = sum(exact.traffic(adaptive.shapes[i], world) for i in sends)
@@ -140,8 +140,8 @@ def propose(adaptive, planned, fewest: Sequence, world: int,
             family: str = "sra") -> list[Proposal]:
     """The round's plans (see the module doc), duplicates dropped, each with its record.
 
-    ``adaptive``: the :class:`cgx.adaptive.AdaptiveSchedule` (its measured errors);
-    ``planned``: the :class:`cgx.planner.schedule.PlannedSchedule` just re-planned (its
+    ``adaptive``: the :class:`cgx.policy.levels.AdaptiveSchedule` (its measured errors);
+    ``planned``: the :class:`cgx.policy.planner.schedule.PlannedSchedule` just re-planned (its
     ``chosen`` and ``plan``); ``fewest``: auto's fewest-bytes plan of the same errors."""
     exact = Candidate(Family.EXACT)
     uniform = list(adaptive.reference)
@@ -178,7 +178,7 @@ def select(proposals: Sequence[Proposal], model_plans: int, corrected) -> list[P
     ``model_plans`` model plans within the budget with the shortest corrected predicted
     step (``corrected(record)``: the prediction times what earlier rounds measured), in
     the order of that prediction: the likely fastest first, so that a plan that cannot win
-    is seen early and its turn cut short (:data:`cgx.deciding.trials.CUT`)."""
+    is seen early and its turn cut short (:data:`cgx.policy.trials.rounds.CUT`)."""
     base = [p for p in proposals if p.record.kind != "model" and p.record.eligible]
     model = sorted((p for p in proposals if p.record.kind == "model" and p.record.eligible),
                    key=lambda p: corrected(p.record))

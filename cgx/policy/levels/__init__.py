@@ -21,10 +21,10 @@ follows the optimizer's update rule (:mod:`.compensation`). Used by
 ``compression=Compression.auto(...)``, ``"auto"`` or ``CGX_COMPRESSION=auto``.
 """
 
-from cgx.adaptive.candidates import Candidate, Family, candidates_for
-from cgx.adaptive.compensation import UpdateRule, update_rule_of
-from cgx.adaptive.schedule import AdaptiveSchedule, AutoCompression, format_levels
-from cgx.adaptive.solver import LevelChoice, solve
+from cgx.policy.levels.candidates import Candidate, Family, candidates_for
+from cgx.policy.update_rule import UpdateRule, update_rule_of
+from cgx.policy.levels.schedule import AdaptiveSchedule, AutoCompression, format_levels
+from cgx.policy.levels.solver import LevelChoice, solve
 
 __all__ = ["Candidate", "Family", "candidates_for", "UpdateRule", "update_rule_of", "AdaptiveSchedule", "AutoCompression",
            "format_levels", "LevelChoice", "solve"]

@@ -4,7 +4,7 @@ Timeline (``w`` = warmup_steps, ``n`` = window, ``A`` = adjust_every)::
 
     steps [0, w)           exact exchange (warm-up)
     steps [w, w + n)       the uniform default; each candidate's error measured on
-                           sampled steps' gradients (cgx.adaptive.stats)
+                           sampled steps' gradients (cgx.policy.levels.stats)
     step  w + n            first plan, then every A steps: each plan from the
                            measurements of the n steps before it
 
@@ -23,11 +23,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.adaptive.candidates import Candidate, Family, candidates_for, traffic_factor
-from cgx.adaptive.compensation import Compensation, UpdateRule
-from cgx.adaptive.solver import solve
-from cgx.adaptive import probe, stats
-from cgx.compression.auto import AutoCompression
+from cgx.policy.levels.candidates import Candidate, Family, candidates_for, traffic_factor
+from cgx.policy.update_rule import Compensation, UpdateRule
+from cgx.policy.levels.solver import solve
+from cgx.policy.levels import probe, stats
+from cgx.compression.auto_policy import AutoCompression
 from cgx.config import Config, Rounding
 
 STATE_FORMAT = 2  # 1: the window's summed gradients instead of its measurements
@@ -47,8 +47,8 @@ class AdaptiveSchedule:
         error_feedback: whether the exchange keeps residuals (it decides which families
             are offered: :func:`offered_families`).
         compensations: the :class:`Compensation` options of a quantized layer
-            (:func:`cgx.adaptive.probe.options_for`); with two or more, each layer's is
-            measured during the window (:mod:`cgx.adaptive.probe`) and decided at each plan.
+            (:func:`cgx.policy.levels.probe.options_for`); with two or more, each layer's is
+            measured during the window (:mod:`cgx.policy.levels.probe`) and decided at each plan.
         update_rule: the optimizer's: the probe's shadow update, and the families
             offered (:func:`offered_families`).
         beta: the moving average's weight (the probe runs it as the exchange does).
@@ -98,7 +98,7 @@ class AdaptiveSchedule:
         self.next_plan = settings.warmup_steps + settings.window
         self.plans_made = 0
         self.hidden: set = set()  # layers the planner keeps exact (compressing saves no time)
-        # The window's measurements (cgx.adaptive.stats): per layer name, the sum of each
+        # The window's measurements (cgx.policy.levels.stats): per layer name, the sum of each
         # candidate's errors over the sampled steps with a gradient, and their number.
         self._sums: dict[str, list] = {}
         self._counts: dict[str, int] = {}
@@ -204,14 +204,14 @@ class AdaptiveSchedule:
 
     def observe(self, step: int, indices: Sequence[int], grads: Sequence[torch.Tensor]) -> None:
         """Measure this step's gradients (without residuals), when the step is one of the
-        window's samples (see :mod:`cgx.adaptive.stats`).
+        window's samples (see :mod:`cgx.policy.levels.stats`).
 
         Hidden cost: at every window step, one PowerSGD power iteration per layer that may
         pick PowerSGD (and its check for an all-zero gradient, a host sync); at the
         sampled steps, that check for every layer, one quantize pass per quantization
         candidate and one top-k, on at most ``stats.SAMPLE_VALUES`` values of each layer;
         at every window step, the compensation probe of this rank's layers
-        (:mod:`cgx.adaptive.probe`).
+        (:mod:`cgx.policy.levels.probe`).
         """
         if not self.observing(step):
             return

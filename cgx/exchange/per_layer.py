@@ -1,5 +1,5 @@
 """The AUTO mode: per-layer families and levels chosen within an error budget
-(``cgx.adaptive``), optionally with the planner (``Compression.auto(planner=True)``).
+(``cgx.policy.levels``), optionally with the planner (``Compression.auto(planner=True)``).
 
 Each call reduces each family's tensors together: quantized and exact ones in one fused
 call, top-k ones in one allgather, PowerSGD ones in two allreduces, then the fp16 ones and
@@ -20,15 +20,15 @@ from typing import Optional
 
 import torch
 
-from cgx.adaptive import AdaptiveSchedule
-from cgx.adaptive import probe
-from cgx.adaptive.candidates import CASTS, Family
-from cgx.adaptive.compensation import named_form
+from cgx.policy.levels import AdaptiveSchedule
+from cgx.policy.levels import probe
+from cgx.policy.levels.candidates import CASTS, Family
+from cgx.policy.update_rule import named_form
 from cgx.comm.base import ReduceOp
 from cgx.compression import ErrorFeedback
-from cgx.compression.auto import Objective
-from cgx.compression.planned import PlannedCompression
-from cgx.deciding import Decider
+from cgx.compression.auto_policy import Objective
+from cgx.compression.planned_policy import PlannedCompression
+from cgx.policy.trials import Decider
 from cgx.exchange.modes import Call, Mode, Settings, reduce_family, reduce_fused
 from cgx.policy import GradMode
 from cgx.quant.codec import QuantSpec
@@ -89,7 +89,7 @@ class FusedCast:
 def _planner_for(adaptive: AdaptiveSchedule, comp, names, shapes, base):
     """The planner auto consults (``Compression.auto(planner=True)``), traced like the
     planned mode with auto's default level."""
-    from cgx.planner.schedule import PlannedSchedule
+    from cgx.policy.planner.schedule import PlannedSchedule
     d = adaptive.default
     bits, bucket = (d.bits, d.bucket_size) if d.family is Family.QUANTIZE else (4, 1024)
     return PlannedSchedule(
@@ -102,7 +102,7 @@ def _planner_for(adaptive: AdaptiveSchedule, comp, names, shapes, base):
 
 def _compensations(compression, base, deciding: bool) -> tuple:
     """The compensations auto measures between per quantized layer
-    (:func:`cgx.adaptive.probe.options_for`). The deciding exchange left to its default
+    (:func:`cgx.policy.levels.probe.options_for`). The deciding exchange left to its default
     (``error_feedback=None``) measures none: it keeps the fixed default's residual setting,
     since residuals cost every plan step time and the probe weighs accuracy alone."""
     if deciding and compression.error_feedback is None:
@@ -143,7 +143,7 @@ class Auto(Mode):
         self.casts = {f: FusedCast(f) for f in CASTS}
         self.planned = _planner_for(self.adaptive, compression, self.names, shapes,
                                     base) if compression.planner or deciding else None
-        # objective="time": trials of whole plans decide what travels (cgx.deciding)
+        # objective="time": trials of whole plans decide what travels (cgx.policy.trials)
         self.decider = Decider(self.adaptive, self.planned, compression) if deciding else None
         self.last_step: Optional[int] = None
 
@@ -205,7 +205,7 @@ class Auto(Mode):
         chosen = [chosen[i] for i in call.idx]
         fam = [None if c is None else c.family for c in chosen]
         if not call.shadow:
-            if sched.observing(call.step):  # the gradients alone (see cgx.adaptive.stats)
+            if sched.observing(call.step):  # the gradients alone (see cgx.policy.levels.stats)
                 sched.observe(call.step, call.idx, call.work)
             self.cfg.store.add_owed(call.work, call.names)
         plain = [k for k in range(len(call.work)) if fam[k] not in SEPARATE]

@@ -1,4 +1,4 @@
-"""``python -m cgx.planner MODULE:FACTORY --input 8,3,32,32 --world 2 --gbit 1``
+"""``python -m cgx.policy.planner MODULE:FACTORY --input 8,3,32,32 --world 2 --gbit 1``
 
 Builds the model (``FACTORY()`` returns a ``torch.nn.Module``), traces a few local training
 steps on random inputs of the given shape (gradient-ready times, backward and optimizer
@@ -38,7 +38,7 @@ def _device_profile(p, spec, gpu_busy):
         return None
     import json
 
-    from cgx.planner.placement import DeviceProfile
+    from cgx.policy.planner.placement import DeviceProfile
     try:
         if spec == "h200":
             profile = DeviceProfile.h200()
@@ -53,7 +53,7 @@ def _device_profile(p, spec, gpu_busy):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cgx.planner", description=__doc__.split("\n\n")[1])
+    p = argparse.ArgumentParser(prog="python -m cgx.policy.planner", description=__doc__.split("\n\n")[1])
     p.add_argument("model", help="package.module:factory returning a torch.nn.Module")
     p.add_argument("--input", required=True, help="input shape with the batch first, e.g. 8,3,32,32")
     p.add_argument("--world", type=int, default=2, help="ranks")
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                    help="ranks sharing this host's cores (for CPU training)")
     p.add_argument("--transport-cpu-ns", type=float, default=0.0,
                    help="the transport's CPU time per byte sent, in ns (Gloo on loopback: "
-                        "about 1; cgx.planner.calibration.link_model measures it)")
+                        "about 1; cgx.policy.planner.calibration.link_model measures it)")
     p.add_argument("--device-profile", default=None,
                    help="plan for gradients on a GPU: 'h200' (docs/results/kernels-h200.md) or a "
                         "JSON file of DeviceProfile.to_dict(); each quantized option is then "
@@ -88,8 +88,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from cgx.planner import CostModel, format_exchange, plan
-    from cgx.planner.calibration import compressor_throughput, contention, trace_backward
+    from cgx.policy.planner import CostModel, format_exchange, plan
+    from cgx.policy.planner.calibration import compressor_throughput, contention, trace_backward
 
     torch.manual_seed(0)
     model = _factory(args.model)()

@@ -1,6 +1,6 @@
 """The settings of trials (``Compression.auto(objective="time")``): how long each proposed
 plan runs and how the kept one is watched. Held and validated here; run by
-:mod:`cgx.deciding.trials`."""
+:mod:`cgx.policy.trials.rounds`."""
 
 from __future__ import annotations
 
@@ -27,13 +27,13 @@ class TrialSettings:
         tie_tolerance: plans within this fraction of the fastest count as equally fast;
             the one with the smallest error is kept, then the one sending fewest bytes.
             The margin widens to what the round's measured step spread resolves
-            (:func:`cgx.deciding.trials.resolution`), and so does ``runoff_margin``.
+            (:func:`cgx.policy.trials.rounds.resolution`), and so does ``runoff_margin``.
         runoffs: extra passes over the plans whose measured step is within
             ``runoff_margin`` of the fastest (when two or more are), in the reverse
             order of the pass before, each plan's times pooled: a few steps measure a
             plan to about 10% on shared cores, as much as the best plans often differ.
             After the first, a pass runs only the plans the clock still cannot tell
-            from the fastest (a tie :func:`cgx.deciding.trials.choose` would break by
+            from the fastest (a tie :func:`cgx.policy.trials.rounds.choose` would break by
             error), so close plans are measured until they separate, or tie for real.
         runoff_margin: how close (relative) to the fastest a plan runs again.
     """

@@ -49,7 +49,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.compression.trials import TrialSettings
+from cgx.compression.trial_settings import TrialSettings
 
 STATE_FORMAT = 1
 # A link probe this much slower or faster (relative) than at the decision starts a new round:

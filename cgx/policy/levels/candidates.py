@@ -17,10 +17,10 @@ times it), so families that reduce differently compare fairly.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from typing import Sequence
 
+from cgx.compression.base import Family
 from cgx.quant.codec import QuantSpec
 from cgx.config import Rounding
 
@@ -30,18 +30,9 @@ DEFAULT_DENSITIES = (0.001, 0.004, 0.01, 0.04)
 DEFAULT_RANKS = (1, 2, 4, 8, 16)
 
 
-class Family(enum.Enum):
-    """Compressor families a layer may pick from."""
-
-    EXACT = "exact"  # uncompressed float32
-    QUANTIZE = "quantize"  # max-min bucket quantization (bits, bucket size)
-    TOPK = "topk"  # the largest magnitudes and their positions (density)
-    POWERSGD = "powersgd"  # low-rank factors P, Q (rank)
-    FP16 = "fp16"  # float16 on the wire (predivided by the world size, as Compression.fp16)
-    BF16 = "bf16"  # bfloat16 on the wire
-
-
 CASTS = (Family.FP16, Family.BF16)  # the 16-bit cast families (one level each)
+# The families a layer may be given besides exact (a user's summable compressor is not one).
+CHOOSABLE = (Family.QUANTIZE, Family.TOPK, Family.POWERSGD) + CASTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +113,8 @@ def parse_families(families) -> tuple[Family, ...]:
             fam = f if isinstance(f, Family) else Family(str(f).strip().lower())
         except ValueError:
             fam = None
-        if fam is None or fam is Family.EXACT:
-            allowed = ", ".join(m.value for m in Family if m is not Family.EXACT)
+        if fam not in CHOOSABLE:
+            allowed = ", ".join(m.value for m in CHOOSABLE)
             raise ValueError(f"unknown compressor family {f!r}; expected one of: {allowed}")
         out.append(fam)
     if not out:

@@ -24,14 +24,14 @@ sets one for every optimizer.
 under linear optimizers and none under adaptive ones (an optimizer it does not know
 leaves ``CGX_COMPRESSION_ERROR_FEEDBACK`` in charge), and then measures, per quantized
 layer, which of none, classic feedback and the moving average keeps the optimizer's
-path closest (:mod:`cgx.adaptive.probe`); each plan applies what the window before it
+path closest (:mod:`cgx.policy.levels.probe`); each plan applies what the window before it
 measured. ``error_feedback=True`` measures between the two forms that keep a residual.
 For top-k and PowerSGD the rule stands: they are biased without residuals, but under Adam
 their residuals' bursts are what hurt (their residuals are classic: the moving
 average is the fused quantized exchange's), and each candidate's error is
-measured on what it sends without them (:mod:`cgx.adaptive.stats`), so the plan
+measured on what it sends without them (:mod:`cgx.policy.levels.stats`), so the plan
 picks them only where that error fits the budget; under an adaptive optimizer they are
-offered only when quantization is not (:func:`cgx.adaptive.schedule.offered_families`).
+offered only when quantization is not (:func:`cgx.policy.levels.schedule.offered_families`).
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ A plan is one bool per tensor (quantized?). Linear layers sent as sufficient fac
 
 from __future__ import annotations
 
-from cgx.adaptive.candidates import Candidate, Family
-from cgx.deciding.decider import TrialDecider
-from cgx.deciding.proposals import Proposal, distinct, plan_bytes, predicted_step, select
-from cgx.deciding.trials import PlanRecord
+from cgx.policy.levels.candidates import Candidate, Family
+from cgx.policy.trials.decider import TrialDecider
+from cgx.policy.trials.proposals import Proposal, distinct, plan_bytes, predicted_step, select
+from cgx.policy.trials.rounds import PlanRecord
 
 
 class PlannedDecider(TrialDecider):

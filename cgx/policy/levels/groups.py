@@ -1,7 +1,7 @@
 """``compression="auto"`` over flat buffers: one level per sharded parameter group.
 
 A sharded step (FSDP2, ZeRO) reduce-scatters one flat buffer per parameter group, so the
-per-layer choice of :class:`cgx.adaptive.AdaptiveSchedule` becomes a per-group choice:
+per-layer choice of :class:`cgx.policy.levels.AdaptiveSchedule` becomes a per-group choice:
 each group is one "layer" of its buffer's size, offered the quantization levels (top-k
 and PowerSGD do not reduce-scatter) and exact. The groups are found during the first
 step (every rank reduce-scatters them in the same order); from then on the schedule runs
@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from cgx.adaptive.schedule import AdaptiveSchedule, default_candidate, offered_families
-from cgx.compression.auto import AutoCompression, Objective
+from cgx.policy.levels.schedule import AdaptiveSchedule, default_candidate, offered_families
+from cgx.compression.auto_policy import AutoCompression, Objective
 from cgx.config import Config
 from cgx.quant.codec import QuantSpec
 

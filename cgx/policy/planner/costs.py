@@ -22,7 +22,7 @@ import dataclasses
 import enum
 from typing import Mapping, NamedTuple, Optional
 
-from cgx.planner.placement import DeviceProfile, place
+from cgx.policy.planner.placement import DeviceProfile, place
 from cgx.quant.wire import packed_nbytes
 
 
@@ -59,13 +59,13 @@ class CostModel:
         cast_bps: float32 bytes per second through an fp16 cast (each way).
         matmul_flops: multiply-adds per second (rebuilding a gradient from its factors).
         contention: seconds the compute is delayed per CPU second of the transport
-            (:func:`cgx.planner.calibration.contention`): 0 when every rank has a core to
+            (:func:`cgx.policy.planner.calibration.contention`): 0 when every rank has a core to
             spare for communication; otherwise the ranks per core of compute, and the
             exchange's compression and decompression (measured in this job, so already
             in its seconds) delay the compute one for one.
-        device: for gradients on a GPU, its :class:`~cgx.planner.placement.DeviceProfile`:
+        device: for gradients on a GPU, its :class:`~cgx.policy.planner.placement.DeviceProfile`:
             each quantized option then comes placed on the GPU and offloaded to the host
-            (``"sra-4bit@cpu"``), see :mod:`cgx.planner.placement`; None: no choice.
+            (``"sra-4bit@cpu"``), see :mod:`cgx.policy.planner.placement`; None: no choice.
     """
 
     world: int
@@ -81,7 +81,7 @@ class CostModel:
         if not self.contention >= 0:
             raise ValueError(f"contention must be >= 0, got {self.contention!r}")
         if self.device is not None and not isinstance(self.device, DeviceProfile):
-            raise TypeError(f"device must be a cgx.planner.placement.DeviceProfile or None, "
+            raise TypeError(f"device must be a cgx.policy.planner.placement.DeviceProfile or None, "
                             f"got {type(self.device).__name__}")
 
     @classmethod

@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from cgx.planner.costs import AlphaBeta, Collective, TensorProfile
+from cgx.policy.planner.costs import AlphaBeta, Collective, TensorProfile
 
 
 def _timed(fn: Callable[[], None], reps: int) -> float:

@@ -11,7 +11,7 @@
    others.
 
 Where the cores are shared, every option's CPU work (``Option.cpu_s``) adds to one
-total that bounds the step below (see ``cgx.planner.simulator``); a swap changes it by
+total that bounds the step below (see ``cgx.policy.planner.simulator``); a swap changes it by
 the two options' difference.
 
 Changing one tensor changes one group's cost. The lanes before the group and, folded
@@ -25,8 +25,8 @@ import dataclasses
 import time
 from typing import Optional, Sequence
 
-from cgx.planner.costs import DEFAULT_BITS, CostModel, Option, OptionMaker, TensorProfile
-from cgx.planner.simulator import GroupCost, Lanes, SimulatedStep, advance, simulate
+from cgx.policy.planner.costs import DEFAULT_BITS, CostModel, Option, OptionMaker, TensorProfile
+from cgx.policy.planner.simulator import GroupCost, Lanes, SimulatedStep, advance, simulate
 
 DEFAULT_FUSION_MB = (4.0, 16.0, 64.0)
 

@@ -13,7 +13,7 @@ model offers (``sra-4bit``, ``allgather-4bit``, ...), a :class:`DeviceProfile` m
   All of it is lane time that overlaps the GPU's compute; the host's seconds are taken
   from the compute only where the cores are shared (``CostModel.contention``).
 
-The planner (``cgx.planner.strategy``) then weighs both like any other option: offload
+The planner (``cgx.policy.planner.strategy``) then weighs both like any other option: offload
 wins where backward is the bottleneck and its longer lanes still hide (a busy GPU, a fast
 host and PCIe, tensors small or early enough); the GPU wins where the lanes are the
 bottleneck (slow PCIe, large or late tensors) or the GPU idles. Both variants share the
@@ -198,7 +198,7 @@ def decide(placed: Sequence[dict[Placement, PlacementCost]], slack_s: float) -> 
 
 def place(options: list, quantized: frozenset, numel: int, compress_bps: float,
           decompress_bps: float, contention: float, device: DeviceProfile) -> list:
-    """``options`` (``cgx.planner.costs.Option``, as ``OptionMaker`` made them) with each
+    """``options`` (``cgx.policy.planner.costs.Option``, as ``OptionMaker`` made them) with each
     one named in ``quantized`` replaced by its GPU variant followed by its ``@cpu``
     variant, and every other option's kernels (casts, rebuilds) taking ``gpu_busy`` of
     their time from the compute."""

@@ -60,7 +60,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.adaptive.candidates import Candidate, Family
+from cgx.policy.levels.candidates import Candidate, Family
 from cgx.quant import wire
 from cgx.compression.base import stable_tensor_id
 from cgx.compression.powersgd import PowerSGDCompressor
