@@ -230,7 +230,9 @@ def site(tmp_path_factory) -> pathlib.Path:
            "NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true", "HOME": str(out)}
     proc = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stderr[-3000:]}"
+    warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
+    assert proc.returncode == 0, "mkdocs build --strict failed:\n" + "\n".join(
+        warnings or [proc.stderr[-3000:]])
     return out
 
 
