@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install the system packages cgx's tests and benchmarks need, only when missing:
 # Open MPI (mpirun + headers for mpi4py/Horovod), iproute2 (ip/tc for the
-# slow-link simulator), a C/C++ compiler and cmake (C extension, Horovod build).
+# slow-link simulator), a C/C++ compiler and cmake (C extension, Horovod build),
+# and Chromium (tests/test_docs_browser.py opens the built site in it through
+# Playwright; Debian's package, so nothing is downloaded by `playwright install`).
 set -euo pipefail
 
 need=()
@@ -13,6 +15,8 @@ command -v gcc >/dev/null 2>&1 || need+=(gcc)
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 command -v cmake >/dev/null 2>&1 || need+=(cmake)
 command -v make >/dev/null 2>&1 || need+=(make)
+command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+  || need+=(chromium)
 
 [ ${#need[@]} -eq 0 ] && exit 0
 
