@@ -82,7 +82,7 @@ class AutoCompression(Policy):
             compares with L-GreCo's single-family modes). Without error
             feedback (Adam-type optimizers), top-k and PowerSGD are offered only when
             quantization is not (they are biased without it; see
-            :func:`cgx.policy.levels.schedule.offered_families`). ``("exact",)``:
+            :func:`cgx.policy.levels.candidates.offered_families`). ``("exact",)``:
             exact is every layer's only candidate (uncompressed float32 throughout, by the
             same exchange path: a check of auto's machinery against the exact exchange).
         window: steps whose gradients are accumulated for the statistics (> 0).

@@ -31,7 +31,7 @@ their residuals' bursts are what hurt (their residuals are classic: the moving
 average is the fused quantized exchange's), and each candidate's error is
 measured on what it sends without them (:mod:`cgx.policy.levels.stats`), so the plan
 picks them only where that error fits the budget; under an adaptive optimizer they are
-offered only when quantization is not (:func:`cgx.policy.levels.schedule.offered_families`).
+offered only when quantization is not (:func:`cgx.policy.levels.candidates.offered_families`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ A candidate's cost is what one rank sends per step (:meth:`Candidate.traffic`):
 the compressor's own payload size times its collective's traffic factor (an
 allreduce sends ``2 (W - 1) / W`` of its buffer, an allgather ``W - 1``
 times it), so families that reduce differently compare fairly.
+
+Which families auto offers (:func:`offered_families`) and the uniform default the error
+budget is measured against (:func:`default_candidate`) are decided here too.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import dataclasses
 import math
 from typing import Sequence
 
+from cgx.compression.auto_policy import AutoCompression
 from cgx.compression.base import Family
 from cgx.quant.codec import QuantSpec
-from cgx.config import Rounding
+from cgx.config import Config, Rounding
 
 DEFAULT_BITS = (2, 3, 4, 5, 6, 8)
 DEFAULT_BUCKETS = (128, 512, 1024, 4096)
@@ -166,3 +170,52 @@ def traffic_factor(family: Family, world: int) -> float:
     w = max(2, int(world))
     return (w - 1) if family is Family.TOPK else 2 * (w - 1) / w
 
+
+
+def offered_families(families: Sequence[str], error_feedback: bool,
+                     adaptive: bool = False) -> list:
+    """The families auto chooses from: ``families``, less top-k and PowerSGD when there is
+    no error feedback, or the optimizer is ``adaptive``, and quantization is offered.
+
+    Without error feedback, top-k and PowerSGD are biased: they drop the same coordinates
+    or directions step after step, and nothing sends them later. A step's error does not
+    show that drift (an LM under AdamW ended 3.6% above fp32's loss with them, against
+    4-bit's 0.1%; docs/results/auto-accuracy.md), while quantization with stochastic
+    rounding is unbiased. Their residuals are classic (all of the error, sent one step
+    later), which an adaptive optimizer's second moment takes badly: with
+    ``error_feedback=True`` under AdamW the project's LM ended 2.0% above fp32 with them
+    against 0.5% without error feedback (docs/results/adaptive-probe.md), so under an
+    adaptive optimizer they are not offered beside quantization either. Named alone
+    (``families=("topk",)``), they are still offered.
+    """
+    fams = [Family(f) for f in families]
+    if (not error_feedback or adaptive) and Family.QUANTIZE in fams:
+        fams = [f for f in fams if f not in (Family.TOPK, Family.POWERSGD)]
+    return fams
+
+
+def reference_for(shape: Sequence[int], default: Candidate) -> Candidate:
+    """The reference of a planned layer of ``shape``: the uniform ``default`` where it
+    applies (PowerSGD's default does not to a matrix too small for it), else exact."""
+    if default in candidates_for(shape, [default.family], [default.bits],
+                                 [default.bucket_size], [default.density], [default.rank]):
+        return default
+    return Candidate(Family.EXACT)
+
+
+def default_candidate(families, config: Config, settings: AutoCompression) -> Candidate:
+    """The uniform default the error budget is measured against: the configured
+    quantization (``CGX_COMPRESSION_QUANTIZATION_BITS`` / ``..._BUCKET_SIZE``,
+    4 bits and 1024 by default) when quantization is a choice; else top-k at 1%
+    (or the middle density offered), or PowerSGD at rank 4 (or the middle rank);
+    exact when exact is the only family."""
+    def middle(values, preferred):
+        return preferred if preferred in values else sorted(values)[len(values) // 2]
+    if Family.QUANTIZE in families:
+        return Candidate(Family.QUANTIZE, config.bits if 1 <= config.bits <= 8 else 4,
+                         config.bucket_size)
+    if Family.TOPK in families:
+        return Candidate(Family.TOPK, density=middle(settings.densities, 0.01))
+    if Family.POWERSGD in families:
+        return Candidate(Family.POWERSGD, rank=middle(settings.ranks, 4))
+    return Candidate(Family.EXACT)

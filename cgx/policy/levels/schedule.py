@@ -23,7 +23,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from cgx.policy.levels.candidates import Candidate, Family, candidates_for, traffic_factor
+from cgx.policy.levels.candidates import (Candidate, Family, candidates_for, default_candidate,
+                                          offered_families, reference_for, traffic_factor)
 from cgx.policy.update_rule import Compensation, UpdateRule
 from cgx.policy.levels.solver import solve
 from cgx.policy.levels import probe, stats
@@ -77,17 +78,12 @@ class AdaptiveSchedule:
                            if ok else None for s, ok in zip(self.shapes, eligible)]
         # The reference of each layer: the uniform default where it applies (PowerSGD's
         # default does not to a matrix too small for it), else exact.
-        self.reference: list[Optional[Candidate]] = []
-        for s, cands in zip(self.shapes, self.candidates):
-            ref = None
-            if cands is not None:
-                ref = self.default if self.default in candidates_for(
-                    s, [self.default.family], [self.default.bits],
-                    [self.default.bucket_size], [self.default.density],
-                    [self.default.rank]) else Candidate(Family.EXACT)
-                if ref not in cands:
-                    cands.append(ref)
-            self.reference.append(ref)
+        self.reference: list[Optional[Candidate]] = [
+            None if cands is None else reference_for(s, self.default)
+            for s, cands in zip(self.shapes, self.candidates)]
+        for ref, cands in zip(self.reference, self.candidates):
+            if cands is not None and ref not in cands:
+                cands.append(ref)
         self.plan: list[Optional[Candidate]] = list(self.reference)
         # per layer, each candidate's index in its list and its payload bytes (None: not
         # planned): fixed for the run, read by every decision
@@ -474,46 +470,6 @@ class AdaptiveSchedule:
             self.scorer.load_state_dict(state["scorer"])
         self.compensation = {n: Compensation(v) for n, v in
                              state.get("compensation", {}).items() if n in index}
-
-
-def offered_families(families: Sequence[str], error_feedback: bool,
-                     adaptive: bool = False) -> list:
-    """The families auto chooses from: ``families``, less top-k and PowerSGD when there is
-    no error feedback, or the optimizer is ``adaptive``, and quantization is offered.
-
-    Without error feedback, top-k and PowerSGD are biased: they drop the same coordinates
-    or directions step after step, and nothing sends them later. A step's error does not
-    show that drift (an LM under AdamW ended 3.6% above fp32's loss with them, against
-    4-bit's 0.1%; docs/results/auto-accuracy.md), while quantization with stochastic
-    rounding is unbiased. Their residuals are classic (all of the error, sent one step
-    later), which an adaptive optimizer's second moment takes badly: with
-    ``error_feedback=True`` under AdamW the project's LM ended 2.0% above fp32 with them
-    against 0.5% without error feedback (docs/results/adaptive-probe.md), so under an
-    adaptive optimizer they are not offered beside quantization either. Named alone
-    (``families=("topk",)``), they are still offered.
-    """
-    fams = [Family(f) for f in families]
-    if (not error_feedback or adaptive) and Family.QUANTIZE in fams:
-        fams = [f for f in fams if f not in (Family.TOPK, Family.POWERSGD)]
-    return fams
-
-
-def default_candidate(families, config: Config, settings: AutoCompression) -> Candidate:
-    """The uniform default the error budget is measured against: the configured
-    quantization (``CGX_COMPRESSION_QUANTIZATION_BITS`` / ``..._BUCKET_SIZE``,
-    4 bits and 1024 by default) when quantization is a choice; else top-k at 1%
-    (or the middle density offered), or PowerSGD at rank 4 (or the middle rank);
-    exact when exact is the only family."""
-    def middle(values, preferred):
-        return preferred if preferred in values else sorted(values)[len(values) // 2]
-    if Family.QUANTIZE in families:
-        return Candidate(Family.QUANTIZE, config.bits if 1 <= config.bits <= 8 else 4,
-                         config.bucket_size)
-    if Family.TOPK in families:
-        return Candidate(Family.TOPK, density=middle(settings.densities, 0.01))
-    if Family.POWERSGD in families:
-        return Candidate(Family.POWERSGD, rank=middle(settings.ranks, 4))
-    return Candidate(Family.EXACT)
 
 
 def _same_layer(a: str, b: str) -> bool:
