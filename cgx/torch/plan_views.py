@@ -32,7 +32,7 @@ class PlanViews:
 
     def exchange_checks(self) -> list:
         """With ``Compression.planned(trials=False)``: every drift check so far, as
-        :class:`cgx.policy.planner.schedule.DriftCheck` (step, predicted and measured step time,
+        :class:`cgx.policy.planner.drift.DriftCheck` (step, predicted and measured step time,
         whether it re-planned). With trials (``Compression.planned()``,
         ``Compression.auto(objective="time")``): every check of a kept plan (step, its
         step and the link against the decision's, whether a new round started). Empty in

@@ -23,46 +23,32 @@ Timeline (``c`` = calibrate_steps)::
 
 Every input of the planner is agreed over the ranks and the planner is deterministic,
 so every rank holds the same plan: the ranks issue the same collectives.
+
+:class:`PlannedSchedule` declares the state and composes the jobs, each in its module:
+:mod:`.tracing` (ready times, measured steps, the agreed profile), :mod:`.drift` (the
+drift checks), :mod:`.factors` (sufficient factors or not), :mod:`.replanning` (a plan)
+and :mod:`.state` (checkpoints, plans as plain values).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import math
-import statistics
-import sys
 import time
 from typing import Optional, Sequence
 
-import torch
-
 from cgx.compression.planned_policy import PlannedCompression
 from cgx.config import ReductionType
-from cgx.policy.planner.costs import Collective, CostModel, Option, TensorProfile
-from cgx.policy.planner.simulator import SimulatedStep
-from cgx.policy.planner.strategy import ExchangePlan, format_exchange, plan
+from cgx.policy.planner import drift, factors, replanning, tracing
+from cgx.policy.planner import state as state_io
+from cgx.policy.planner.costs import CostModel
+from cgx.policy.planner.drift import DriftCheck
+from cgx.policy.planner.strategy import ExchangePlan
+# Defined in the modules named, and importable from here as before the split:
+from cgx.policy.planner.state import STATE_FORMAT, plan_from_dict, plan_to_dict  # noqa: F401
+from cgx.policy.planner.tracing import agreed_profile, device_profile  # noqa: F401
 
-STATE_FORMAT = 1
 _FAMILY = {ReductionType.SRA: "sra", ReductionType.RING: "sra",
            ReductionType.ALLGATHER: "allgather"}
-
-
-@dataclasses.dataclass
-class DriftCheck:
-    """One drift check: the step it ran at, the plan's prediction, the agreed measurement."""
-
-    step: int
-    predicted_s: float
-    measured_s: float
-    expected_ratio: float  # measured/predicted taken as normal (1, or the model's bias)
-    replanned: bool
-
-
-def _mark(timeline, name: str, args: dict) -> None:
-    """A point on the timeline's ``planner`` row (nothing without an enabled timeline)."""
-    if timeline is not None and timeline.enabled:
-        timeline.instant(name, row="planner", args=args)
 
 
 class PlannedSchedule:
@@ -124,14 +110,7 @@ class PlannedSchedule:
     # -- main thread: backward hooks ---------------------------------------------------
     def note_ready(self, index: int, step: int) -> None:
         """Gradient ``index`` is ready (called from the backward hook)."""
-        now = time.perf_counter()
-        start = self._starts.get(step)
-        if start is None:
-            start = self._starts[step] = now
-            for old in [s for s in self._starts if s < step - 4]:
-                del self._starts[old]
-        if step >= 1:  # step 0 warms up (allocations, first-call costs)
-            self._ready[index].append(now - start)
+        tracing.note_ready(self, index, step)
 
     # -- engine thread ------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -149,13 +128,8 @@ class PlannedSchedule:
         are also marked on ``timeline`` (``cgx.timeline``) when given."""
         if self._trace_from is None:
             self._trace_from = step
-        if check_drift and self._end is not None and self.planned_at is not None:
-            # The previous step's exchange ended with its latest reduction. The first
-            # step after a plan still carries the calibration; it is not measured.
-            s, end = self._end
-            start = self._starts.get(s)
-            if start is not None and s > self.planned_at and s < step:
-                self._measured.append(end - start)
+        if check_drift:
+            tracing.measure_previous(self, step)
         if self.due(step):
             self.replan(transport, verbose, step=step, timeline=timeline)
         elif (check_drift and self.plan is not None and self.planned_at is not None
@@ -167,32 +141,7 @@ class PlannedSchedule:
                     timeline=None) -> DriftCheck:
         """Agree on the measured step; re-plan when it drifts from the prediction. A
         collective: every rank calls it at the same step."""
-        from cgx.comm.base import ReduceOp
-        local = statistics.median(self._measured) if self._measured else 0.0
-        self._measured = []
-        agreed = torch.tensor([local], dtype=torch.float64, device=transport.device)
-        if transport.size > 1:
-            transport.allreduce(agreed, ReduceOp.MAX)
-        measured = float(agreed.item())
-        predicted = self.plan.step_s
-        ratio = measured / predicted if predicted > 0 else 1.0
-        if self._calibrate_ratio and measured > 0:
-            # Just re-planned for drift and still off: what the model misses, it misses
-            # steadily; only a change from here is drift.
-            self._ratio, self._calibrate_ratio = ratio, False
-        drift = measured > 0 and abs(ratio / self._ratio - 1.0) > self.settings.drift_tolerance
-        check = DriftCheck(step, predicted, measured, self._ratio, drift)
-        self.checks.append(check)
-        _mark(timeline, "drift check", {"step": step, "predicted_ms": 1e3 * predicted,
-                                   "measured_ms": 1e3 * measured, "replanned": drift})
-        if drift:
-            if verbose:
-                print(f"cgx: step {step}: measured step {1e3 * measured:.1f} ms against "
-                      f"{1e3 * predicted * self._ratio:.1f} ms expected; re-planning",
-                      file=sys.stderr, flush=True)
-            self.replan(transport, verbose, step=step, timeline=timeline)
-            self._calibrate_ratio = True
-        return check
+        return drift.check_drift(self, step, transport, verbose, timeline)
 
     def prefer_factors(self, name: str, rows: int, ranks: int, out_features: int,
                        in_features: int) -> bool:
@@ -209,61 +158,18 @@ class PlannedSchedule:
         ``factors_rule`` is set (the deciding mode's trial or kept plan), its say instead.
         The same on every rank: the inputs are agreed.
         """
-        i = self._position.get(name)
-        if i is not None:
-            self._factor_rows[i] = int(rows)
-        return self._factors_go(name, rows, ranks, out_features, in_features,
-                                self.factors_rule)
-
-    def _factors_go(self, name: str, rows: int, ranks: int, out_features: int,
-                    in_features: int, rule: Optional[bool]) -> bool:
-        """:meth:`prefer_factors`'s answer under ``rule`` (None: the plan's)."""
-        from cgx.policy.planner.costs import OptionMaker
-        from cgx.policy.planner.simulator import group_cost
-        from cgx.sufficient_factors import worth_it
-        i = self._position.get(name)
-        if rule is not None:
-            return rule and worth_it(rows, ranks, out_features, in_features)
-        if i is not None:
-            planned = self._factors_planned.get(i)
-            if planned is not None and planned[0] == rows:
-                return planned[1]
-        if self.cost is None:
-            return worth_it(rows, ranks, out_features, in_features)
-        fams = ["exact", "sfb"]
-        if i is None or self.eligible[i] is not None:
-            fams.append(self.family)
-        t = TensorProfile(name, out_features * in_features, 0.0, (out_features, in_features),
-                          rows)
-        times = {}
-        for o in OptionMaker(self.cost, (self.settings.bits,), fams)(t):
-            g = group_cost([0], [t], [o], self.cost)  # the option standing alone
-            times[o.name] = g.compress + g.comm + g.decompress
-        return "sfb" in times and times["sfb"] < min(t for k, t in times.items() if k != "sfb")
+        return factors.prefer_factors(self, name, rows, ranks, out_features, in_features)
 
     def factor_sends(self, say: Optional[bool], world: int) -> dict[int, int]:
         """The layers that travel as sufficient factors under ``say`` (True: where Poseidon's
         byte rule allows; False: none; None: the plan's per-layer choice, as
         :meth:`prefer_factors`), each with the bytes one rank sends: its ``K x (M + N)``
         float32 factors to each of the other ``world - 1`` ranks."""
-        return {i: (world - 1) * rows * sum(self.shapes[i]) * 4
-                for i, rows in self._factor_rows.items() if len(self.shapes[i]) == 2
-                and self._factors_go(self.names[i], rows, world, *self.shapes[i], say)}
+        return factors.factor_sends(self, say, world)
 
     def has_factor_layers(self) -> bool:
         """Has a layer been offered as sufficient factors (``sufficient_factors=``)?"""
         return bool(self._factor_rows)
-
-    def _cpu_of(self, tensors: Sequence[TensorProfile], compressed: Sequence[bool],
-                cost: CostModel) -> float:
-        """The exchange's CPU work (``Option.cpu_s`` summed) with ``compressed[i]`` per tensor."""
-        from cgx.policy.planner.costs import OptionMaker
-        make = OptionMaker(cost, (self.settings.bits,), ("exact", self.family))
-        total = 0.0
-        for t, c in zip(tensors, compressed):
-            opts = make(t, self.settings.bucket_size)
-            total += (opts[-1] if c else opts[0]).cpu_s
-        return total
 
     def specs(self) -> list:
         if self.chosen is None:
@@ -284,211 +190,14 @@ class PlannedSchedule:
     def replan(self, transport, verbose: bool = False, step: Optional[int] = None,
                timeline=None) -> ExchangePlan:
         """Every rank at the same point: agree on the profile, measure, plan."""
-        n = len(self.names)
-        if self.place and self._device is None:
-            self._device = device_profile(self.settings, transport)
-        ready, cost = agreed_profile(self._ready, self.settings, transport, self._device)
-        self.cost = cost
-        # A factor layer (its rows seen) has sufficient factors among its options.
-        rows = self._factor_rows
-        tensors = [TensorProfile(name, math.prod(shape), t, *(
-                       (tuple(shape), rows[i]) if i in rows and len(shape) == 2 else ()))
-                   for i, (name, shape, t) in enumerate(zip(self.names, self.shapes, ready))]
-        backward = max(ready) if ready else 0.0
-        if cost.contention > 0 and backward > 0:
-            # The ready times were traced with the exchange then in use running beside
-            # backward on the same cores: take its CPU work (in the new model) out of them,
-            # or the plan would count it twice. At most half: not all of it overlapped.
-            in_use = self.chosen if self.chosen is not None else [e is not None
-                                                                  for e in self.eligible]
-            busy = self._cpu_of(tensors, in_use, cost)
-            scale = max(0.5, 1.0 - busy / backward)
-            tensors = [dataclasses.replace(t, ready_s=t.ready_s * scale) for t in tensors]
-            backward *= scale
-        families = ("exact", self.family) + (("sfb",) if rows else ())
-        result = plan(tensors, cost, backward, fusion_mb=(self.fusion_mb,),
-                      bits=(self.settings.bits,), families=families,
-                      exact_only=[e is None for e in self.eligible])
-        # A layer planned as factors is still quantized (where the rules allow) on a step
-        # whose factors are not a faithful record.
-        self.chosen = [e is not None and opt.name != "exact"
-                       for e, opt in zip(self.eligible, result.chosen)]
-        # (A layer the rules keep exact had only that option here: the standalone
-        # comparison decides its factors.)
-        self._factors_planned = {i: (rows[i], result.chosen[i].name == "sfb") for i in rows
-                                 if self.eligible[i] is not None}
-        self.plan, self._placements = result, None
-        _mark(timeline, "plan", {"step": step, "predicted_ms": 1e3 * result.step_s,
-                            "choices": {t.name: o.name
-                                        for t, o in zip(result.tensors, result.chosen)}})
-        self.planned_at = step
-        self._measured = []
-        if verbose:
-            print(f"cgx: planned exchange ({sum(self.chosen)} of {n} tensors compressed)\n"
-                  + format_exchange(result, limit=20), file=sys.stderr, flush=True)
-        return result
+        return replanning.replan(self, transport, verbose, step, timeline)
 
-    # -- state --------------------------------------------------------------------------
+    # -- state (cgx.policy.planner.state) -----------------------------------------------
     def state_dict(self) -> dict:
         """The plan and what its drift checks need, as plain values: a resumed run checks
         at the same steps, against the same prediction and bias, and re-plans from the
         same ready times as the run it continues."""
-        return {"format": STATE_FORMAT, "names": list(self.names), "chosen": self.chosen,
-                "cost": None if self.cost is None else self.cost.to_dict(),
-                "factors": {self.names[i]: [k, f] for i, (k, f) in
-                            self._factors_planned.items()},
-                "plan": None if self.plan is None else plan_to_dict(self.plan),
-                "planned_at": self.planned_at,
-                "checks": [dataclasses.asdict(c) for c in self.checks],
-                "ratio": self._ratio, "calibrate_ratio": self._calibrate_ratio,
-                "ready": [list(r) for r in self._ready],
-                "measured": self._measured + self._pending_measurement(),
-                "trace_from": self._trace_from}
-
-    def _pending_measurement(self) -> list[float]:
-        """The step whose exchange ended last, measured: ``begin_step`` adds it at the next
-        step's start, which a checkpoint taken between steps would otherwise lose."""
-        if self._end is None or self.planned_at is None:
-            return []
-        s, end = self._end
-        start = self._starts.get(s)
-        return [end - start] if start is not None and s > self.planned_at else []
+        return state_io.state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"planned-exchange state of format {state.get('format')!r}; this "
-                             f"version reads format {STATE_FORMAT}")
-        if state["names"] != self.names:
-            self._adopt(state)
-            return
-        self.chosen = None if state["chosen"] is None else list(state["chosen"])
-        cost = state.get("cost")
-        self.cost = None if cost is None else CostModel.from_dict(cost)
-        # the plan's sufficient-factor choices (absent from checkpoints of older versions)
-        self._factors_planned = {self._position[name]: (int(k), bool(f))
-                                 for name, (k, f) in state.get("factors", {}).items()}
-        self._factor_rows = {i: k for i, (k, _) in self._factors_planned.items()}
-        # the plan and its drift checks (absent from checkpoints of older versions: those
-        # keep the choices, without drift checks)
-        saved = state.get("plan")
-        self.plan = None if saved is None else plan_from_dict(saved)
-        self._placements = None
-        self.planned_at = state.get("planned_at")
-        self.checks = [DriftCheck(**c) for c in state.get("checks", [])]
-        self._ratio = float(state.get("ratio", 1.0))
-        self._calibrate_ratio = bool(state.get("calibrate_ratio", False))
-        for queue, times in zip(self._ready, state.get("ready", [])):
-            queue.clear()
-            queue.extend(float(t) for t in times)
-        self._measured = [float(t) for t in state.get("measured", [])]
-        self._trace_from = state.get("trace_from", 0)
-        self._starts, self._end = {}, None
-
-    def _adopt(self, state: dict) -> None:
-        """The state of an exchange of other gradients (this optimizer's, before parameters
-        were frozen, unfrozen or added): its plan does not fit them. The machine's model and
-        the drift checks so far carry over, and each gradient's ready times by name; this
-        set is traced again (the uniform quantized exchange) from the next step, then
-        planned. Every rank changes its parameters alike, so every rank does the same."""
-        position = {n: i for i, n in enumerate(state["names"])}
-        ready = state.get("ready", [])
-        for name, queue in zip(self.names, self._ready):
-            j = position.get(name)
-            queue.clear()
-            if j is not None and j < len(ready):
-                queue.extend(float(t) for t in ready[j])
-        cost = state.get("cost")
-        self.cost = None if cost is None else CostModel.from_dict(cost)
-        self.checks = [DriftCheck(**c) for c in state.get("checks", [])]
-        self.chosen, self.plan, self.planned_at = None, None, None
-        self._placements = None
-        self._factors_planned, self._factor_rows = {}, {}
-        self._ratio, self._calibrate_ratio, self._measured = 1.0, False, []
-        self._trace_from = None
-        self._starts, self._end = {}, None
-
-
-def _option_to_list(o: Option) -> list:
-    return [o.name, o.compress_s, [[k.value, b] for k, b in o.wire], o.decompress_s,
-            o.linear_s, [[n, k.value] for n, k in o.calls], o.cpu_s]
-
-
-def _option_from_list(v: list) -> Option:
-    name, compress_s, wire, decompress_s, linear_s, calls, cpu_s = v
-    return Option(name, float(compress_s), tuple((Collective(k), int(b)) for k, b in wire),
-                  float(decompress_s), float(linear_s),
-                  tuple((n, Collective(k)) for n, k in calls), float(cpu_s))
-
-
-def agreed_profile(ready_times: list, settings, transport,
-                   device=None) -> tuple[list, CostModel]:
-    """The ready times and the cost model every rank plans with: MAX over ranks of
-    the latest ready time, the slowest quantizer and factor rebuild (as 1/throughput)
-    and the most crowded host; the link measured (or ``assume_gbit``). ``ready_times``:
-    per tensor, this rank's traced ready times; ``settings``: the PlannedCompression;
-    ``device``: the device profile to weigh placements with (None: no choice)."""
-    from cgx.comm.base import ReduceOp
-    from cgx.policy.planner.calibration import (contention, link_model, machine_throughput,
-                                         ranks_on_this_host)
-    n = len(ready_times)
-    local = torch.tensor([statistics.median(r) if r else 0.0 for r in ready_times] + [
-        0.0] * 5, dtype=torch.float64)
-    tp = machine_throughput(settings.bits, settings.bucket_size)
-    local[n:] = torch.tensor([1.0 / tp["compress_bps"], 1.0 / tp["decompress_bps"],
-                              1.0 / tp["cast_bps"],
-                              contention(ranks_on_this_host(transport),
-                                         0 if transport.device.type == "cuda" else None),
-                              1.0 / tp["matmul_flops"]], dtype=torch.float64)
-    agreed = local.to(transport.device)
-    if transport.size > 1:
-        transport.allreduce(agreed, ReduceOp.MAX)
-    agreed = agreed.cpu().tolist()
-    ready, inv = agreed[:n], agreed[n:]
-    speeds = dict(compress_bps=1 / inv[0], decompress_bps=1 / inv[1], cast_bps=1 / inv[2],
-                  contention=inv[3], matmul_flops=1 / inv[4])
-    speeds["device"] = device
-    if settings.assume_gbit is not None:
-        return ready, CostModel.uniform(transport.size, settings.assume_gbit, **speeds)
-    return ready, CostModel(transport.size, link_model(transport), **speeds)
-
-
-def device_profile(settings, transport):
-    """Where compression may run, for the planner: ``settings.device_profile`` when given;
-    on a CUDA transport, rank 0's :func:`cgx.policy.planner.placement.calibrate_device` (every
-    rank plans with the same; a collective); else None (CPU tensors: no choice)."""
-    given = getattr(settings, "device_profile", None)
-    if given is not None or transport.device.type != "cuda":
-        return given
-    from cgx.policy.planner.placement import DeviceProfile, calibrate_device
-    mine = calibrate_device(transport.device, bits=settings.bits,
-                            bucket_size=settings.bucket_size).to_dict() \
-        if transport.rank == 0 else None
-    return DeviceProfile.from_dict(transport.allgather_object(mine)[0])
-
-
-def plan_to_dict(p: ExchangePlan) -> dict:
-    """A :class:`ExchangePlan` as plain values (checkpoints): the inverse of :func:`plan_from_dict`."""
-    t = p.timeline
-    return {"tensors": [[x.name, x.numel, x.ready_s, None if x.shape is None else list(x.shape),
-                         x.rows] for x in p.tensors],
-            "options": [[_option_to_list(o) for o in opts] for opts in p.options],
-            "choice": list(p.choice), "groups": [list(g) for g in p.groups],
-            "fusion_bytes": p.fusion_bytes,
-            "timeline": [t.step_s, t.backward_s, t.tail_s, [list(g) for g in t.groups], t.cpu_s],
-            "model": p.model.to_dict(), "backward_s": p.backward_s, "tail_s": p.tail_s,
-            "decision_s": p.decision_s}
-
-
-def plan_from_dict(d: dict) -> ExchangePlan:
-    step_s, backward_s, tail_s, spans, cpu_s = d["timeline"]
-    return ExchangePlan(
-        tensors=[TensorProfile(name, int(numel), float(ready),
-                               None if shape is None else tuple(shape), rows)
-                 for name, numel, ready, shape, rows in d["tensors"]],
-        options=[[_option_from_list(o) for o in opts] for opts in d["options"]],
-        choice=[int(c) for c in d["choice"]], groups=[list(g) for g in d["groups"]],
-        fusion_bytes=float(d["fusion_bytes"]),
-        timeline=SimulatedStep(float(step_s), float(backward_s), float(tail_s),
-                          tuple(tuple(g) for g in spans), float(cpu_s)),
-        model=CostModel.from_dict(d["model"]), backward_s=float(d["backward_s"]),
-        tail_s=float(d["tail_s"]), decision_s=float(d["decision_s"]))
+        state_io.load_state_dict(self, state)
