@@ -86,7 +86,7 @@ def _heavy_layer(rows: int, cols: int):
 
 def embedding_gradient(rows: int, cols: int, used: int = 3000, seed: int = 0):
     """An embedding's gradient: the rows of a batch's ``used`` distinct tokens, scaled as
-    token frequencies are (Zipf), every other row zero (also tests/adaptive's)."""
+    token frequencies are (Zipf), every other row zero (also tests/levels')."""
     import torch
     g = torch.Generator().manual_seed(seed)
     x = torch.zeros(rows, cols)

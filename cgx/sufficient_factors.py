@@ -178,17 +178,33 @@ def gathered(transport, pairs, out_features: int, in_features: int, rows: int,
     return (dy / P if average else dy), x
 
 
+def gather_each(transport, mine: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``mine`` (same shape and dtype on every rank), stacked in rank order:
+    one allgather of its bytes, the agreement every factor decision rests on."""
+    mine = mine.to(transport.device).contiguous()
+    if transport.size == 1:
+        return mine.unsqueeze(0)
+    every = torch.empty((transport.size,) + tuple(mine.shape), dtype=mine.dtype,
+                        device=transport.device)
+    transport.allgather(every.view(-1).view(torch.uint8), mine.view(-1).view(torch.uint8))
+    return every
+
+
 def agree(transport, rows: int, faithful: bool) -> tuple[list[int], bool]:
     """Every rank's row count, and whether every rank's factors are faithful: one 16-byte
     allgather, so that every rank takes the same decision (and issues the same
     collectives) for the layer."""
-    if transport.size == 1:
-        return [rows], bool(faithful)
-    mine = torch.tensor([rows, int(faithful)], dtype=torch.int64, device=transport.device)
-    every = torch.empty(2 * transport.size, dtype=torch.int64, device=transport.device)
-    transport.allgather(every.view(torch.uint8), mine.view(torch.uint8))
-    pairs = every.view(transport.size, 2).tolist()
+    pairs = gather_each(transport, torch.tensor([rows, int(faithful)],
+                                                dtype=torch.int64)).tolist()
     return [r for r, _ in pairs], all(f for _, f in pairs)
+
+
+def agree_scaled(transport, checks: torch.Tensor) -> list[bool]:
+    """``checks``: this rank's ``[exact, c]`` per layer (``exact`` 1 where the layer's
+    received gradient is exactly ``c`` times what its factors give). Per layer, True
+    where every rank is exact with the same ``c``: one allgather for all the layers."""
+    every = gather_each(transport, checks.to(torch.float64))
+    return ((every[..., 0] == 1).all(0) & (every[..., 1] == every[0, :, 1]).all(0)).tolist()
 
 
 def gather(transport, pairs, out_features: int, in_features: int,

@@ -15,7 +15,7 @@ Checked here:
   placed ``@cpu``; rank 0's calibration makes a few of its own, counted apart); the
   parameters stay identical on both ranks.
 
-The same modes on CPU ranks: tests/deciding/, tests/planner/test_planned_mode.py.
+The same modes on CPU ranks: tests/trials/, tests/planner/test_planned_mode.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Checked here:
   and the loss falls.
 
 The 16-bit cast exchange of CUDA gradients is tested beside the CPU one
-(tests/deciding/test_casts.py, its ``cuda`` case).
+(tests/trials/test_casts.py, its ``cuda`` case).
 """
 
 from __future__ import annotations

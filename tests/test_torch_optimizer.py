@@ -26,7 +26,7 @@ def _batch(rank, step, n=16):
 def _init(cfg_kwargs):
     """cgx with ``Config(**cfg_kwargs)``; ``Compression.none`` is the fixed quantization of
     those settings (``CGX_COMPRESSION=quantize``), which these tests are about (the
-    default, the deciding exchange: tests/deciding/test_default.py)."""
+    default, the deciding exchange: tests/trials/test_default.py)."""
     import cgx.torch as hvd
     from cgx.config import CompressionMode, Config
     hvd.init(Config(**{"compression": CompressionMode.QUANTIZE, **cfg_kwargs}))

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 from cgx.compression.base import (Compressor, Family, HorovodCompressor, as_compressor,
-                                  stable_tensor_id)
+                                  stable_tensor_id, user_compressor)
 from cgx.compression.auto_policy import AutoCompression, default_policy
 from cgx.compression.planned_policy import PlannedCompression
 from cgx.compression.policy import Policy, is_policy_name
@@ -188,6 +188,7 @@ def fixed(compression, cfg) -> "Compressor | Policy":
 
 __all__ = [
     "Compression", "Compressor", "Family", "HorovodCompressor", "as_compressor",
+    "user_compressor",
     "resolve", "Policy",
     "stable_tensor_id", "NoneCompressor", "ExactCompressor", "FP16Compressor", "BF16Compressor",
     "QuantizeCompressor", "TopKCompressor", "PowerSGDCompressor", "ErrorFeedback",

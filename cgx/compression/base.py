@@ -460,6 +460,18 @@ class HorovodCompressor(Compressor):
         return f"HorovodCompressor({self.impl!r})"
 
 
+def user_compressor(obj: Any) -> Any:
+    """``obj`` when it is a Horovod-style compressor of the user's own (``compress``/
+    ``decompress``, not a cgx compressor, compressor class or policy), else None. The
+    TensorFlow ops hand such a compressor TF tensors, as Horovod does; what is neither
+    raises as :func:`as_compressor` does."""
+    if isinstance(obj, (Compressor, Policy)) or (
+            isinstance(obj, type) and issubclass(obj, Compressor)):
+        return None
+    as_compressor(obj)  # TypeError with the accepted forms, if neither
+    return obj
+
+
 def as_compressor(obj: Any) -> Compressor:
     """Normalize what users pass as ``compression=`` into a :class:`Compressor` instance.
 

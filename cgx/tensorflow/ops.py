@@ -25,7 +25,7 @@ import tensorflow as tf
 import torch
 
 from cgx import runtime
-from cgx.compression import Compression, Compressor, Policy, as_compressor
+from cgx.compression import Compression, user_compressor
 from cgx.tensorflow._bridge import collective
 # The torch-level bodies of the collectives, written once in the core for both adapters.
 from cgx.ops import (  # noqa: F401 - Horovod's op names, re-exported
@@ -58,11 +58,7 @@ def tf_side_compressor(compression):
     written for ``horovod.tensorflow``: it gets TF tensors, as with Horovod,
     and its payload is reduced exactly.
     """
-    if isinstance(compression, (Compressor, Policy)) or (
-            isinstance(compression, type) and issubclass(compression, Compressor)):
-        return None
-    as_compressor(compression)  # TypeError with the accepted forms, if neither
-    return compression
+    return user_compressor(compression)
 
 
 def _float_grads(grads, xs):

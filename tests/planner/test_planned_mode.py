@@ -105,7 +105,7 @@ def _quantizer_bound(local: list, out: torch.Tensor, bits: int) -> float:
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 3])
 def test_fast_link_keeps_everything_exact_and_matches_the_exact_exchange(world):
-    # the planner's plan itself, without trials (tests/deciding/test_planned_trials.py)
+    # the planner's plan itself, without trials (tests/trials/test_planned_trials.py)
     ranks = run_gloo(_grads_as_planned, world, {"calibrate_steps": 2, "assume_gbit": 1e6,
                                                  "trials": False})
     assert set(ranks[0]["chosen"]) == {"exact"}

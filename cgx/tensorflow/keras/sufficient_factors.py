@@ -66,7 +66,7 @@ from cgx.exchange import GradientPlan, GradMode
 from cgx.ops import group_size
 from cgx.comm.base import ReduceOp
 from cgx.session import reducer_of
-from cgx.sufficient_factors import gathered
+from cgx.sufficient_factors import agree_scaled, gathered
 from cgx.tensorflow._bridge import WorkBuffers, run_collective, to_tf, to_torch
 
 
@@ -290,14 +290,9 @@ class FactorLayers:
     def _agree(self, names: list, index: list, mine: torch.Tensor) -> torch.Tensor:
         """Engine thread, every rank: every rank's ``[exact, c]`` per routed layer ->
         per layer of ``self.layers``, 1 where every rank is exact with the same ``c``."""
-        tr = reducer_of(self.group).transport
-        mine = mine.to(tr.device, torch.float64).contiguous()
-        every = torch.empty((tr.size,) + tuple(mine.shape), dtype=torch.float64,
-                            device=tr.device)
-        tr.allgather(every.view(-1).view(torch.uint8), mine.view(-1).view(torch.uint8))
-        exact = (every[..., 0] == 1).all(0) & (every[..., 1] == every[0, :, 1]).all(0)
+        exact = agree_scaled(reducer_of(self.group).transport, mine)
         out = torch.ones(len(self.layers), dtype=torch.int32)
-        for name, i, good in zip(names, index, exact.tolist()):
+        for name, i, good in zip(names, index, exact):
             if not good or name in self._unproven:
                 out[i] = 0
                 self._unproven.add(name)  # from the next call on: no factors
