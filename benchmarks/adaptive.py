@@ -414,7 +414,7 @@ def lm_table(lm: dict) -> list:
     return lines
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--lm-steps", type=int, default=400,
@@ -434,48 +434,55 @@ def main(argv=None) -> int:
                    help="--compensation, --probe-bits: the LM's optimizer")
     p.add_argument("--probe-bits", type=int, default=0,
                    help="the compensation probe alone, at this uniform level (0: not run)")
-    args = p.parse_args(argv)
-    if args.probe_bits:
-        rows = bench_probe(args.probe_bits, args.optimizer)
-        lines = [f"cgx.policy.levels.probe on the LM under {args.optimizer}, one process, steps "
-                 f"{PROBE_START + 1}-{PROBE_START + PROBE_STEPS}, uniform {args.probe_bits}-bit "
-                 "(bucket 1024, stochastic rounding): per layer and compensation, the share "
-                 "of the true path the sent one misses (shortfall) and what it adds across it "
-                 "(noise)", ""]
-        return _write(args, lines + probe_table(rows), {"probe": rows},
-                      "one process, 2 cores, no GPU")
-    if args.compensation:
-        methods = tuple(m.strip() for m in args.methods.split(","))
-        runs = bench_compensation(args.lm_steps, args.lm_seeds, methods, args.optimizer)
-        lines = [f"Transformer LM (benchmarks/timetoacc), 2 ranks, {args.lm_steps} "
-                 f"{args.optimizer} steps, "
-                 "cosine learning rate, quantized with bucket 1024 (stochastic rounding unless "
-                 "named nearest):", ""]
-        return _write(args, lines + compensation_table(runs, args.lm_seeds, methods,
-                                                       args.optimizer),
-                      {"compensation": runs}, "2 cores, no GPU, 2 ranks on one machine")
-    if args.measure_only:
-        rows = bench_measure()
-        lines = ["auto's window: one measured step of a layer (quantization 2-8 bits x buckets, "
-                 "top-k, PowerSGD ranks, fp16, bf16), one thread; heavy-tailed: rows 100x apart "
-                 "in scale; embedding: 3,000 used rows scaled as Zipf token frequencies, the "
-                 "others zero; median of 3; the deviation: the largest |sampled / full - 1| over "
-                 f"the candidates and {len(KEYS)} sample draws", ""]
-        return _write(args, lines + measure_table(rows), {"measure": rows},
-                      "one process, one thread, 2 cores, no GPU")
-    solver = bench_solver()
-    lines = ["Solver: %d layers x %d candidates: %.1f ms (median, %s), %.1f ms with the numpy "
-             "fallback; cost %.2f x the uniform reference at %.3f of the error budget" % (
-                 solver["layers"], solver["candidates"], solver["median_ms"],
-                 "C dynamic program" if solver["c_built"] else "C extension not built: numpy",
-                 solver["numpy_median_ms"], solver["cost_vs_reference"],
-                 solver["error_vs_budget"])]
-    if args.solver_only:
-        return _write(args, lines, {"solver": solver}, "one process, 2 cores, no GPU")
-    train = bench_training(args.epochs)
-    lm = bench_lm(args.lm_steps) if args.lm_steps else {}
-    lines += ["", "| exchange (2 ranks, digits MLP, %d epochs) | bytes sent/step/rank | vs 4-bit | "
-              "test accuracy | test loss |" % args.epochs, "|---|---:|---:|---:|---:|"]
+    return p
+
+
+def _run_probe(args) -> int:
+    rows = bench_probe(args.probe_bits, args.optimizer)
+    lines = [f"cgx.policy.levels.probe on the LM under {args.optimizer}, one process, steps "
+             f"{PROBE_START + 1}-{PROBE_START + PROBE_STEPS}, uniform {args.probe_bits}-bit "
+             "(bucket 1024, stochastic rounding): per layer and compensation, the share "
+             "of the true path the sent one misses (shortfall) and what it adds across it "
+             "(noise)", ""]
+    return _write(args, lines + probe_table(rows), {"probe": rows},
+                  "one process, 2 cores, no GPU")
+
+
+def _run_compensation(args) -> int:
+    methods = tuple(m.strip() for m in args.methods.split(","))
+    runs = bench_compensation(args.lm_steps, args.lm_seeds, methods, args.optimizer)
+    lines = [f"Transformer LM (benchmarks/timetoacc), 2 ranks, {args.lm_steps} "
+             f"{args.optimizer} steps, "
+             "cosine learning rate, quantized with bucket 1024 (stochastic rounding unless "
+             "named nearest):", ""]
+    return _write(args, lines + compensation_table(runs, args.lm_seeds, methods,
+                                                   args.optimizer),
+                  {"compensation": runs}, "2 cores, no GPU, 2 ranks on one machine")
+
+
+def _run_measure(args) -> int:
+    rows = bench_measure()
+    lines = ["auto's window: one measured step of a layer (quantization 2-8 bits x buckets, "
+             "top-k, PowerSGD ranks, fp16, bf16), one thread; heavy-tailed: rows 100x apart "
+             "in scale; embedding: 3,000 used rows scaled as Zipf token frequencies, the "
+             "others zero; median of 3; the deviation: the largest |sampled / full - 1| over "
+             f"the candidates and {len(KEYS)} sample draws", ""]
+    return _write(args, lines + measure_table(rows), {"measure": rows},
+                  "one process, one thread, 2 cores, no GPU")
+
+
+def _solver_line(solver: dict) -> str:
+    return ("Solver: %d layers x %d candidates: %.1f ms (median, %s), %.1f ms with the numpy "
+            "fallback; cost %.2f x the uniform reference at %.3f of the error budget" % (
+                solver["layers"], solver["candidates"], solver["median_ms"],
+                "C dynamic program" if solver["c_built"] else "C extension not built: numpy",
+                solver["numpy_median_ms"], solver["cost_vs_reference"],
+                solver["error_vs_budget"]))
+
+
+def _training_lines(args, train: dict, lm: dict) -> list:
+    lines = ["", "| exchange (2 ranks, digits MLP, %d epochs) | bytes sent/step/rank | vs 4-bit | "
+             "test accuracy | test loss |" % args.epochs, "|---|---:|---:|---:|---:|"]
     base = train["uniform 4-bit"]["bytes_per_step"]
     for m in METHODS:
         r = train[m]
@@ -488,7 +495,25 @@ def main(argv=None) -> int:
                   "cosine learning rate; SGD: lr 0.1, momentum 0.9:", ""] + lm_table(lm)
         lines += ["", "Last auto plan of the LM under AdamW (rank 0):", "",
                   lm["AdamW: auto (alpha 1.0)"]["plan"]]
-    return _write(args, lines, {"solver": solver, "training": train, "lm": lm},
+    return lines
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.probe_bits:
+        return _run_probe(args)
+    if args.compensation:
+        return _run_compensation(args)
+    if args.measure_only:
+        return _run_measure(args)
+    solver = bench_solver()
+    lines = [_solver_line(solver)]
+    if args.solver_only:
+        return _write(args, lines, {"solver": solver}, "one process, 2 cores, no GPU")
+    train = bench_training(args.epochs)
+    lm = bench_lm(args.lm_steps) if args.lm_steps else {}
+    return _write(args, lines + _training_lines(args, train, lm),
+                  {"solver": solver, "training": train, "lm": lm},
                   "2 cores, no GPU, 2 ranks on one machine")
 
 

@@ -169,7 +169,7 @@ def _plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--rates", default="1gbit,10gbit,none",
@@ -183,40 +183,37 @@ def main(argv=None) -> int:
                    help="largest pipeline block in MB (CGX_PIPELINE_CHUNK_MB)")
     p.add_argument("--out", default="benchmarks/results/allreduce",
                    help="output prefix (.json, .md, .png)")
-    args = p.parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        p.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
-    rates = [None if r.strip().lower() == "none" else r.strip() for r in args.rates.split(",")]
-    sizes = [float(s) for s in args.sizes.split(",")]
+    return p
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-    from benchmarks.netsim import NetnsUnavailable, SlowNetwork
+def _sweep(args, methods: list, rates: list, sizes: list, bar) -> list:
+    """One simulated network per (rate, size); rank 0's timings of each point.
+
+    Raises:
+        NetnsUnavailable: this machine cannot build the network.
+    """
+    from benchmarks.netsim import SlowNetwork
 
     results = []
-    bar = progress(total=len(rates) * len(sizes), desc="allreduce", unit="point")
-    try:
-        for rate in rates:
-            for size in sizes:
-                bar.set_postfix_str(f"{rate or 'unshaped'}, {size:g} MB")
-                with SlowNetwork(n_ranks=args.ranks, rate=rate) as net:
-                    per_rank = net.run_function(
-                        "benchmarks.allreduce:rank_main",
-                        {"size_mb": size, "methods": methods, "reps": args.reps,
-                         "bucket": args.bucket, "rounding": args.rounding,
-                         "pipeline_mb": args.pipeline_mb},
-                        timeout=600 + 30 * size)
-                res = per_rank[0]
-                res.update(rate=rate or "unshaped", size_mb=size)
-                results.append(res)
-                bar.update()
-    except NetnsUnavailable as exc:
-        print(f"cannot build the simulated network: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        bar.close()
+    for rate in rates:
+        for size in sizes:
+            bar.set_postfix_str(f"{rate or 'unshaped'}, {size:g} MB")
+            with SlowNetwork(n_ranks=args.ranks, rate=rate) as net:
+                per_rank = net.run_function(
+                    "benchmarks.allreduce:rank_main",
+                    {"size_mb": size, "methods": methods, "reps": args.reps,
+                     "bucket": args.bucket, "rounding": args.rounding,
+                     "pipeline_mb": args.pipeline_mb},
+                    timeout=600 + 30 * size)
+            res = per_rank[0]
+            res.update(rate=rate or "unshaped", size_mb=size)
+            results.append(res)
+            bar.update()
+    return results
+
+
+def _write(args, argv, results: list) -> None:
+    """Write ``<out>.json``, ``.md`` and ``.png``; print the table."""
     rows = _summarize(results)
     command = "python benchmarks/allreduce.py " + " ".join(argv if argv is not None
                                                            else sys.argv[1:])
@@ -229,6 +226,31 @@ def main(argv=None) -> int:
     _plot(rows, args.out + ".png")
     print(md)
     print(f"wrote {args.out}.json, .md, .png")
+
+
+def main(argv=None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        p.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    rates = [None if r.strip().lower() == "none" else r.strip() for r in args.rates.split(",")]
+    sizes = [float(s) for s in args.sizes.split(",")]
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    from benchmarks.netsim import NetnsUnavailable
+
+    bar = progress(total=len(rates) * len(sizes), desc="allreduce", unit="point")
+    try:
+        results = _sweep(args, methods, rates, sizes, bar)
+    except NetnsUnavailable as exc:
+        print(f"cannot build the simulated network: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+    _write(args, argv, results)
     return 0
 
 

@@ -214,8 +214,7 @@ def write_outputs(records: list[dict[str, Any]], args, argv: list[str]) -> str:
     return md
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     csv = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
     p.add_argument("--workloads", type=csv, default=("cnn",), help=f"from {WORKLOADS}")
@@ -246,7 +245,11 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--resume", action="store_true", help="keep the runs already in <out>.json")
     p.add_argument("--out", default="docs/results/train")
-    args = p.parse_args(argv)
+    return p
+
+
+def _check(p: argparse.ArgumentParser, args) -> None:
+    """What the parser cannot check alone; a bad value exits through ``p.error``."""
     for w in args.workloads:
         if w not in WORKLOADS:
             p.error(f"unknown workload {w!r}; choose from {WORKLOADS}")
@@ -273,20 +276,22 @@ def main(argv=None) -> int:
                     "methods (name them with "
                     f"--methods); not {', '.join(unsupported) or 'the default list'}")
 
-    from benchmarks.netsim import NetnsUnavailable
-    from cgx.console import progress
 
-    runs = plan_runs(args)
-    have_hvd, why = horovod_available()
+def _kept_records(args) -> list[dict[str, Any]]:
+    """The runs already in ``<out>.json`` that --resume keeps (none without it)."""
     records: list[dict[str, Any]] = []
     if args.resume and os.path.exists(args.out + ".json"):
         with open(args.out + ".json") as f:
             records = [r for r in json.load(f)["records"] if "error" not in r]
-    done = {run_key(r) for r in records}
-    todo = [r for r in runs if run_key(r) not in done]
-    if args.suite:
-        print(f"{len(todo)} training runs of 1 to 5 minutes each on 2 cores (4 to 6 hours in all; "
-              f"--resume continues an interrupted suite). Results: {args.out}.md", file=sys.stderr)
+    return records
+
+
+def _run_todo(todo: list, records: list, args, argv: list) -> int:
+    """Run every run of ``todo``, appending to ``records`` and writing the outputs after each."""
+    from benchmarks.netsim import NetnsUnavailable
+    from cgx.console import progress
+
+    have_hvd, why = horovod_available()
     bar = progress(todo, desc="training runs", unit="run")
     for run in bar:
         if hasattr(bar, "set_postfix_str"):
@@ -301,6 +306,23 @@ def main(argv=None) -> int:
             print(f"cannot build the simulated network: {exc}", file=sys.stderr)
             return 2
         write_outputs(records, args, argv)  # after every run: an interrupted suite keeps its results
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = _parser()
+    args = p.parse_args(argv)
+    _check(p, args)
+    runs = plan_runs(args)
+    records = _kept_records(args)
+    done = {run_key(r) for r in records}
+    todo = [r for r in runs if run_key(r) not in done]
+    if args.suite:
+        print(f"{len(todo)} training runs of 1 to 5 minutes each on 2 cores (4 to 6 hours in all; "
+              f"--resume continues an interrupted suite). Results: {args.out}.md", file=sys.stderr)
+    if _run_todo(todo, records, args, argv):
+        return 2
     print(write_outputs(records, args, argv))
     return 0
 

@@ -308,7 +308,7 @@ def rank_main(method: str, steps: int, warmup: int, batch: int,
     return _deciding(out, m.opt, deciding) if deciding is not None else out
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", default="1gbit", help="tc rate of each link ('none': unshaped)")
     p.add_argument("--methods", default=",".join(METHODS))
@@ -321,17 +321,16 @@ def main(argv=None) -> int:
                    help="the deciding methods' settings: short (statistics over 2 steps, "
                         "2 measured steps a plan) or default (Compression.auto's own)")
     p.add_argument("--out", default="benchmarks/results/training")
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error("--rounds must be >= 1")
-    methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        p.error(f"unknown method(s) {bad}; choose from {METHODS}")
-    rate = None if args.rate.lower() == "none" else args.rate
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return p
 
-    from benchmarks.netsim import NetnsUnavailable, RankFailedError, SlowNetwork
+
+def _run_rounds(args, methods: list, rate: Optional[str]) -> dict[str, list]:
+    """Every method's runs, one simulated network each; a crashing method keeps its error.
+
+    Raises:
+        NetnsUnavailable: this machine cannot build the network.
+    """
+    from benchmarks.netsim import RankFailedError, SlowNetwork
 
     runs: dict[str, list] = {m: [] for m in methods}
     # Rounds run every method once each, in turn: on a shared machine the speed drifts over
@@ -345,13 +344,14 @@ def main(argv=None) -> int:
                                         "warmup": args.warmup, "batch": args.batch,
                                         "trials": args.trials},
                                        timeout=1800)[0]
-        except NetnsUnavailable as exc:
-            print(f"cannot build the simulated network: {exc}", file=sys.stderr)
-            return 2
         except RankFailedError as exc:  # report a method that crashes, keep the others
             res = {"method": method, "error": str(exc).splitlines()[-1][:300]}
         runs[method].append(res)
-    results = [_merge(runs[m]) for m in methods]
+    return runs
+
+
+def _table(results: list, args, argv) -> list[str]:
+    """The command, the setting and one row per method: s/step against DDP fp32 and compute."""
     base = next((_step(r) for r in results if r["method"] == "ddp-fp32" and "times_s" in r), None)
     many = args.rounds > 1
     lines = [f"Command: `python benchmarks/training.py {' '.join(argv or sys.argv[1:])}`", "",
@@ -369,17 +369,42 @@ def main(argv=None) -> int:
             lines.append(f"| {r['method']} | failed: {r['error']} | | | | |"
                          + (" |" if many else ""))
             continue
-        t = _step(r)
-        wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 1e6:.1f}"
-        link = f"{r['link_bytes'] / 1e6:.1f}" if r.get("link_bytes") is not None else "-"
-        speed = f"{base / t:.2f}x" if base else "-"
-        own = floor.get("keras-compute" if r["method"].startswith("keras") else "compute")
-        vs_floor = f"{t / own:.2f}" if own else "-"
-        spread = (f" {min(r['round_means']):.3f}-{max(r['round_means']):.3f} |" if many else "")
-        lines.append(f"| {r['method']} | {t:.3f} | {speed} | {vs_floor} | {wire} | {link} |"
-                     f"{spread}")
-    lines += _decide_lines(results, args.warmup)
-    md = "\n".join(lines)
+        lines.append(_row(r, base, floor, many))
+    return lines
+
+
+def _row(r: dict, base: Optional[float], floor: dict, many: bool) -> str:
+    t = _step(r)
+    wire = "-" if r["wire_bytes"] is None else f"{r['wire_bytes'] / 1e6:.1f}"
+    link = f"{r['link_bytes'] / 1e6:.1f}" if r.get("link_bytes") is not None else "-"
+    speed = f"{base / t:.2f}x" if base else "-"
+    own = floor.get("keras-compute" if r["method"].startswith("keras") else "compute")
+    vs_floor = f"{t / own:.2f}" if own else "-"
+    spread = (f" {min(r['round_means']):.3f}-{max(r['round_means']):.3f} |" if many else "")
+    return f"| {r['method']} | {t:.3f} | {speed} | {vs_floor} | {wire} | {link} |{spread}"
+
+
+def main(argv=None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        p.error(f"unknown method(s) {bad}; choose from {METHODS}")
+    rate = None if args.rate.lower() == "none" else args.rate
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    from benchmarks.netsim import NetnsUnavailable
+
+    try:
+        runs = _run_rounds(args, methods, rate)
+    except NetnsUnavailable as exc:
+        print(f"cannot build the simulated network: {exc}", file=sys.stderr)
+        return 2
+    results = [_merge(runs[m]) for m in methods]
+    md = "\n".join(_table(results, args, argv) + _decide_lines(results, args.warmup))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"rate": args.rate, "batch": args.batch, "rounds": args.rounds,

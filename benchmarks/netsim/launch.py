@@ -67,45 +67,57 @@ def run_group(
         files = []
         start = time.monotonic()
         try:
-            for rank, (argv, env) in enumerate(zip(argvs, envs)):
-                out = stack.enter_context(open(os.path.join(outdir, f"rank{rank}.out"), "w+b"))
-                err = stack.enter_context(open(os.path.join(outdir, f"rank{rank}.err"), "w+b"))
-                files.append((out, err))
-                procs.append(subprocess.Popen(
-                    list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
-                    stdout=out, stderr=err, start_new_session=True,
-                ))
+            _start(argvs, envs, cwd, outdir, stack, files, procs)
             if on_start is not None:
                 on_start(procs)
-
-            deadline = start + timeout
-            failed: list[int] = []
-            timed_out = False
-            while True:
-                codes = [p.poll() for p in procs]
-                failed = [r for r, c in enumerate(codes) if c is not None and c != 0]
-                if failed or all(c is not None for c in codes):
-                    break
-                if time.monotonic() >= deadline:
-                    timed_out = True
-                    break
-                time.sleep(_POLL_S)
+            failed, timed_out = _wait(procs, start + timeout)
             elapsed = time.monotonic() - start
             stopped = [p.poll() is None for p in procs]
         finally:
             for p in procs:
                 _stop(p)
-
-        results = []
-        for rank, (p, (out, err)) in enumerate(zip(procs, files)):
-            out.seek(0)
-            err.seek(0)
-            results.append(RankResult(
-                rank=rank,
-                returncode=p.returncode,
-                stdout=out.read().decode(errors="replace"),
-                stderr=err.read().decode(errors="replace"),
-                killed=stopped[rank],
-                timed_out=timed_out and stopped[rank],
-            ))
+        results = _collect(procs, files, stopped, timed_out)
     return LaunchResult(ranks=results, elapsed_s=elapsed, timed_out=timed_out, failed_ranks=failed)
+
+
+def _start(argvs, envs, cwd, outdir: str, stack: contextlib.ExitStack, files: list,
+           procs: list) -> None:
+    """Start every rank, its output in ``outdir``; appends to ``files`` and ``procs`` as it
+    goes, so that the caller stops the ranks already started if a later one fails to start."""
+    for rank, (argv, env) in enumerate(zip(argvs, envs)):
+        out = stack.enter_context(open(os.path.join(outdir, f"rank{rank}.out"), "w+b"))
+        err = stack.enter_context(open(os.path.join(outdir, f"rank{rank}.err"), "w+b"))
+        files.append((out, err))
+        procs.append(subprocess.Popen(
+            list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+            stdout=out, stderr=err, start_new_session=True,
+        ))
+
+
+def _wait(procs: list, deadline: float) -> tuple[list[int], bool]:
+    """Poll until a rank fails, all exit, or the deadline passes: (failed ranks, timed out)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, c in enumerate(codes) if c is not None and c != 0]
+        if failed or all(c is not None for c in codes):
+            return failed, False
+        if time.monotonic() >= deadline:
+            return failed, True
+        time.sleep(_POLL_S)
+
+
+def _collect(procs: list, files: list, stopped: list, timed_out: bool) -> list[RankResult]:
+    """Every rank's :class:`RankResult`, its output read back from its files."""
+    results = []
+    for rank, (p, (out, err)) in enumerate(zip(procs, files)):
+        out.seek(0)
+        err.seek(0)
+        results.append(RankResult(
+            rank=rank,
+            returncode=p.returncode,
+            stdout=out.read().decode(errors="replace"),
+            stderr=err.read().decode(errors="replace"),
+            killed=stopped[rank],
+            timed_out=timed_out and stopped[rank],
+        ))
+    return results

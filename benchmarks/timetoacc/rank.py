@@ -71,18 +71,41 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
     import torch.distributed as dist
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     work = workloads.make(workload, rank, world, seed, tiny=tiny)
     work.model.to(device)
     compute_s = _compute_only(work, 3 if tiny else 6, device)
     setup = methods.build(method, work.model, work.optimizer, world)
     barrier = setup.barrier or dist.barrier
     curve = []
-    fresh = None  # bn_batches: one model of the architecture, re-estimated at each evaluation
+    fresh = _bn_model(workload, rank, world, seed, tiny, bn_batches, work, setup)
+    evaluate = _evaluator(work, setup, rank, world, curve, barrier, fresh, bn_batches)
+    barrier()
+    evaluate(0, 0.0)
+    tx0 = link_tx_bytes()
+    clock, times, train_losses = _train_steps(work, setup, steps, eval_every, device, evaluate)
+    barrier()
+    for point in curve[:-1]:  # the final evaluation's items are kept, for paired comparisons
+        point.pop("item_losses", None)
+    tx = link_tx_bytes() - tx0
+    run = {"method": method, "workload": workload, "device": device, "rank": rank,
+           "world": world, "seed": seed, "steps": steps}
+    return _record(run, local, work, setup, warmup, compute_s, clock, times, train_losses, tx,
+                   curve)
+
+
+def _bn_model(workload: str, rank: int, world: int, seed: int, tiny: bool, bn_batches: int,
+              work, setup):
+    """bn_batches: one model of the architecture, re-estimated at each evaluation (else None)."""
+    import torch
     if bn_batches and rank == 0 and setup.evaluate is None and has_batch_norm(work.model):
         with torch.random.fork_rng():  # building a model seeds torch's generator
-            fresh = workloads.make(workload, rank, world, seed, tiny=tiny).model
+            return workloads.make(workload, rank, world, seed, tiny=tiny).model
+    return None
+
+
+def _evaluator(work, setup, rank: int, world: int, curve: list, barrier, fresh, bn_batches: int):
+    """``evaluate(step, clock)``: rank 0 appends the evaluation to ``curve``; all ranks wait."""
 
     def evaluate(step: int, clock: float) -> None:
         if setup.evaluate is not None:  # a sharded model: every rank takes part
@@ -97,9 +120,11 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
                           **res})
         barrier()
 
-    barrier()
-    evaluate(0, 0.0)
-    tx0 = link_tx_bytes()
+    return evaluate
+
+
+def _train_steps(work, setup, steps: int, eval_every: int, device: str, evaluate):
+    """The training loop: (seconds in training steps, each step's seconds, each step's loss)."""
     clock, times, train_losses = 0.0, [], []
     # Cosine decay to zero over the run, the same for every method: the final losses are
     # those of a finished schedule, not a snapshot of a noisy middle.
@@ -120,10 +145,15 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
         train_losses.append(float(loss))
         if step % eval_every == 0 or step == steps:
             evaluate(step, clock)
-    barrier()
-    for point in curve[:-1]:  # the final evaluation's items are kept, for paired comparisons
-        point.pop("item_losses", None)
-    tx = link_tx_bytes() - tx0
+    return clock, times, train_losses
+
+
+def _record(run: dict, local: tuple[int, int], work, setup, warmup: int, compute_s: float,
+            clock: float, times: list, train_losses: list, tx: int,
+            curve: list) -> dict[str, Any]:
+    """This rank's record of the run (closes ``setup``); ``local``: (local rank, local size)."""
+    local_rank, local_size = local
+    steps, world = run["steps"], run["world"]
     accounted = setup.accounted_bytes(steps)
     compression = setup.compression_seconds()
     plan = setup.plan()
@@ -131,9 +161,8 @@ def train(method: str, workload: str, steps: int, eval_every: int, seed: int = 0
     timed = times[warmup:] if len(times) > warmup else times
     step_s = statistics.mean(timed)
     return {
-        "method": method, "workload": workload, "device": device, "rank": rank, "world": world,
-        "seed": seed,
-        "steps": steps, "samples_per_step": work.samples_per_batch * world,
+        **run,
+        "samples_per_step": work.samples_per_batch * world,
         "samples_trained": steps * work.samples_per_batch * world,
         "params": sum(p.numel() for p in work.model.parameters()),
         "step_s": step_s, "compute_s": compute_s,
