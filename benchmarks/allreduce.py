@@ -22,7 +22,6 @@ Results: ``<out>.json``, ``<out>.md`` and ``<out>.png``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -217,14 +216,9 @@ def _write(args, argv, results: list) -> None:
     rows = _summarize(results)
     command = "python benchmarks/allreduce.py " + " ".join(argv if argv is not None
                                                            else sys.argv[1:])
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"command": command, "results": results, "rows": rows}, f, indent=1)
     md = _markdown(rows, command.strip())
-    with open(args.out + ".md", "w") as f:
-        f.write(md + "\n")
+    save(args.out, {"command": command, "results": results, "rows": rows}, md)
     _plot(rows, args.out + ".png")
-    print(md)
     print(f"wrote {args.out}.json, .md, .png")
 
 
@@ -241,6 +235,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     from benchmarks.netsim import NetnsUnavailable
+    from benchmarks.outputs import save
 
     bar = progress(total=len(rates) * len(sizes), desc="allreduce", unit="point")
     try:

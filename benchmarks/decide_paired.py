@@ -20,13 +20,13 @@ Both ranks run in their own network namespace behind a ``tc tbf``-shaped link
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.outputs import save  # noqa: E402
 from benchmarks.training import TRIALS, timed_steps, torch_method  # noqa: E402
 
 DECIDING = ["cgx-decide", "cgx-decide-sfb"]
@@ -136,12 +136,7 @@ def main(argv=None) -> int:
         print(f"cannot build the simulated network: {exc}", file=sys.stderr)
         return 2
     md = "\n".join(report(res, args))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"rate": args.rate, **kwargs, **res}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(md + "\n")
-    print(md)
+    save(args.out, {"rate": args.rate, **kwargs, **res}, md)
     return 0
 
 

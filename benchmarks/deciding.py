@@ -18,14 +18,17 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import statistics
 import sys
 import time
 import types
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.outputs import save  # noqa: E402
 
 
 def _setup(layers: int, seed: int = 0):
@@ -103,12 +106,7 @@ def main(argv=None) -> int:
         f"| the run's first decision (caches cold) | "
         f"{1e3 * runs[0]['total_s']:.1f} |", "",
         "Plans tried: " + ", ".join(runs[0]["tried"])])
-    with open(args.out + ".json", "w") as f:
-        json.dump({"layers": args.layers, "options": options, "median": med, "runs": runs}, f,
-                  indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(md + "\n")
-    print(md)
+    save(args.out, {"layers": args.layers, "options": options, "median": med, "runs": runs}, md)
     return 0
 
 

@@ -117,21 +117,25 @@ def time_to_accuracy(results: pathlib.Path = RESULTS):
     return out, order
 
 
+def _grid(first: str, columns, rows) -> str:
+    """A markdown table: ``first`` and ``columns`` head it, each ``(name, cells)`` is a row."""
+    lines = [f"| {first} | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+    return "\n".join(lines)
+
+
+def _tta_cell(times: dict, m: str) -> str:
+    if m not in times:
+        return ""
+    if times[m] is None:
+        return "not reached"
+    return f"{times[m]:.1f} s ({times['ddp-fp32'] / times[m]:.2f}x)"
+
+
 def time_to_accuracy_table(results: pathlib.Path = RESULTS) -> str:
     data, order = time_to_accuracy(results)
-    lines = ["| method | " + " | ".join(data) + " |",
-             "|---|" + "---:|" * len(data)]
-    for m in order:
-        cells = []
-        for times in data.values():
-            if m not in times:
-                cells.append("")
-            elif times[m] is None:
-                cells.append("not reached")
-            else:
-                cells.append(f"{times[m]:.1f} s ({times['ddp-fp32'] / times[m]:.2f}x)")
-        lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return _grid("method", list(data),
+                 [(label(m), [_tta_cell(times, m) for times in data.values()]) for m in order])
 
 
 def plot_time_to_accuracy(out: pathlib.Path, results: pathlib.Path = RESULTS) -> pathlib.Path:
@@ -178,15 +182,13 @@ def step_time(results: pathlib.Path = RESULTS):
 
 def step_time_table(results: pathlib.Path = RESULTS) -> str:
     data, order = step_time(results)
-    lines = ["| method | " + " | ".join(f"{t}: s/step (blocks' range), vs DDP fp32" for t in data)
-             + " |", "|---|" + "---:|" * len(data)]
-    for m in order:
-        cells = []
-        for steps in data.values():
-            med, lo, hi = steps[m]
-            cells.append(f"{med:.3f} ({lo:.3f}-{hi:.3f}), {steps['ddp-fp32'][0] / med:.2f}x")
-        lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def cell(steps: dict, m: str) -> str:
+        med, lo, hi = steps[m]
+        return f"{med:.3f} ({lo:.3f}-{hi:.3f}), {steps['ddp-fp32'][0] / med:.2f}x"
+
+    return _grid("method", [f"{t}: s/step (blocks' range), vs DDP fp32" for t in data],
+                 [(label(m), [cell(steps, m) for steps in data.values()]) for m in order])
 
 
 def plot_step_time(out: pathlib.Path, results: pathlib.Path = RESULTS) -> pathlib.Path:
@@ -232,21 +234,17 @@ def bytes_table(results: pathlib.Path = RESULTS) -> str:
     for per in data.values():
         order += [label(m) for m in per if label(m) not in order]
     by_label = {t: {label(m): b for m, b in per.items()} for t, per in data.items()}
-    lines = ["| method | " + " | ".join(f"{t}: MB/step/rank" for t in data) + " |",
-             "|---|" + "---:|" * len(data)]
-    for name in order:
-        cells = []
-        for t, per in by_label.items():
-            b = per.get(name)
-            fp32 = per["DDP fp32"]
-            if b is None:
-                cells.append("")
-            elif fp32 / b < 1.05:  # DDP fp32 itself, and what sends as much
-                cells.append(f"{b / 1e6:.2f}")
-            else:
-                cells.append(f"{b / 1e6:.2f} ({fp32 / b:.1f}x fewer)")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def cell(per: dict, name: str) -> str:
+        b, fp32 = per.get(name), per["DDP fp32"]
+        if b is None:
+            return ""
+        if fp32 / b < 1.05:  # DDP fp32 itself, and what sends as much
+            return f"{b / 1e6:.2f}"
+        return f"{b / 1e6:.2f} ({fp32 / b:.1f}x fewer)"
+
+    return _grid("method", [f"{t}: MB/step/rank" for t in data],
+                 [(name, [cell(per, name) for per in by_label.values()]) for name in order])
 
 
 def plot_bytes(out: pathlib.Path, results: pathlib.Path = RESULTS) -> pathlib.Path:

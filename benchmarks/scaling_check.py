@@ -17,12 +17,12 @@ For each link rate and rank count, in the simulated network:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.outputs import save  # noqa: E402
 
 
 def link_probe() -> dict:
@@ -137,13 +137,7 @@ def main(argv=None) -> int:
         lines.append(f"| {r['rate']} | {r['ranks']} | {r['method']} | {r['compute_s']:.3f} | "
                      f"{r['predicted_s']:.3f} | {r['measured_s']:.3f} | {100 * r['error']:+.0f}% | "
                      f"{r['predicted_no_cpu_s']:.3f} | {100 * r['error_no_cpu']:+.0f}% |")
-    text = "\n".join(lines)
-    print(text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".md", "w") as f:
-        f.write(text + "\n")
-    with open(args.out + ".json", "w") as f:
-        json.dump(rows, f, indent=1)
+    save(args.out, rows, "\n".join(lines))
     return 0
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -397,6 +396,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     from benchmarks.netsim import NetnsUnavailable
+    from benchmarks.outputs import save
 
     try:
         runs = _run_rounds(args, methods, rate)
@@ -405,14 +405,9 @@ def main(argv=None) -> int:
         return 2
     results = [_merge(runs[m]) for m in methods]
     md = "\n".join(_table(results, args, argv) + _decide_lines(results, args.warmup))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"rate": args.rate, "batch": args.batch, "rounds": args.rounds,
-                   "results": results}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(md + "\n")
+    save(args.out, {"rate": args.rate, "batch": args.batch, "rounds": args.rounds,
+                    "results": results}, md)
     _plot(results, args.out + ".png", args.rate)
-    print(md)
     return 0
 
 
