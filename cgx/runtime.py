@@ -25,7 +25,7 @@ hard-coded:
 * torchrun: its ``MASTER_ADDR``/``MASTER_PORT`` (and its agent's store).
 * ``MASTER_ADDR``/``MASTER_PORT`` set by the user, any launcher: used as given.
 * mpirun (Open MPI, MPICH): rank 0 opens the store on a free port, picks the
-  address the others reach it at (:func:`cgx.launch.world.advertised_address`:
+  address the others reach it at (:func:`cgx.launch.addresses.advertised_address`:
   the interface named by ``GLOO_SOCKET_IFNAME``; ``127.0.0.1`` when the
   gathered host names show a single host; else the route to a peer host) and
   broadcasts both with mpi4py.
@@ -66,8 +66,8 @@ from cgx.config import Config, TransportKind
 from cgx.errors import NotInitializedError
 from cgx.launch import exit_record
 from cgx.launch.rendezvous import exit_failing
-from cgx.launch.world import (Launcher, WorldInfo, adopt_group, discover, layout_row,
-                              node_layout)
+from cgx.launch.layout import adopt_group, layout_row, node_layout
+from cgx.launch.world import Launcher, WorldInfo, discover
 
 if TYPE_CHECKING:  # torch is imported by init(), not by importing this module
     import torch

@@ -261,7 +261,7 @@ def test_counted_bytes_are_what_each_ranks_link_carried(tmp_path, world):
         sys.path.insert(0, root)
     from benchmarks import allreduce
     from benchmarks.netsim import NetnsUnavailable
-    from benchmarks.netsim.network import check_available
+    from benchmarks.netsim.namespaces import check_available
     try:
         check_available()
     except NetnsUnavailable as err:

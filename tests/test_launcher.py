@@ -1,4 +1,5 @@
-"""World discovery from each launcher's environment (cgx.launch.world), no processes spawned."""
+"""World discovery from each launcher's environment (cgx.launch.world) and the address probing
+(cgx.launch.addresses), no processes spawned."""
 
 from __future__ import annotations
 
@@ -7,17 +8,19 @@ import socket
 import pytest
 
 from cgx.errors import CGXError, ConfigError
+from cgx.launch.addresses import (
+    advertised_address,
+    interface_address,
+    is_local_host,
+    route_source_address,
+)
 from cgx.launch.world import (
     SLURM_PORT_BASE,
     SLURM_PORT_SPAN,
     Launcher,
-    advertised_address,
     discover,
     first_slurm_host,
-    interface_address,
-    is_local_host,
     parse_slurm_tasks_per_node,
-    route_source_address,
 )
 
 HOROVOD = {

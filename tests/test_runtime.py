@@ -22,7 +22,8 @@ from cgx.comm.base import SingleProcessTransport, Transport
 from cgx.config import Config
 from cgx.errors import CGXError, ConfigError, MissingDependencyError, NotInitializedError
 from cgx.comm import factory
-from cgx.launch.world import Launcher, WorldInfo, layout_from_hosts, layout_row, node_layout
+from cgx.launch.layout import layout_from_hosts, layout_row, node_layout
+from cgx.launch.world import Launcher, WorldInfo
 from distutil import (WORLD_SNIPPET, KVServer, check_world, have_horovodrun, have_mpirun,
                        horovod_gloo_env, run_ranks)
 
@@ -49,7 +50,8 @@ def _clean(monkeypatch):
 # -- import cost ------------------------------------------------------------------------
 
 def test_import_cgx_is_cheap():
-    code = ("import sys, cgx, cgx.launch.cli, cgx.launch.world, cgx.runtime; "
+    code = ("import sys, cgx, cgx.launch.cli, cgx.launch.world, cgx.launch.addresses, "
+            "cgx.launch.layout, cgx.runtime; "
             "assert not cgx.is_initialized(); "
             "heavy = [m for m in ('torch', 'tensorflow', 'triton', 'mpi4py') if m in sys.modules]; "
             "print(heavy)")

@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks import train
 from benchmarks.netsim import NetnsUnavailable
-from benchmarks.netsim.network import check_available
+from benchmarks.netsim.namespaces import check_available
 from benchmarks.timetoacc import methods, report
 from benchmarks.timetoacc.workloads import TINY
 

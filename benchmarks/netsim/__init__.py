@@ -9,16 +9,11 @@ See ``benchmarks/netsim/README.md``; ``python -m benchmarks.netsim --help``
 for the ``selftest`` and ``cleanup`` commands.
 """
 
+from .endpoints import RankEndpoint
 from .errors import NetnsError, NetnsUnavailable, RankFailedError
 from .launch import LaunchResult, RankResult
-from .network import (
-    NAMESPACE_PREFIX,
-    RankEndpoint,
-    SlowNetwork,
-    check_available,
-    cleanup_leftovers,
-    list_namespaces,
-)
+from .namespaces import NAMESPACE_PREFIX, check_available, cleanup_leftovers, list_namespaces
+from .network import SlowNetwork
 from .shaping import Shaping, parse_rate, parse_size, parse_time
 from .worker import RESULT_ENV, link_tx_bytes, write_result
 

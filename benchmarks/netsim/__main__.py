@@ -14,7 +14,8 @@ import time
 from typing import Any, Optional
 
 from .errors import NetnsUnavailable
-from .network import NAMESPACE_PREFIX, SlowNetwork, cleanup_leftovers
+from .namespaces import NAMESPACE_PREFIX, cleanup_leftovers
+from .network import SlowNetwork
 from .shaping import Shaping
 
 

@@ -15,149 +15,44 @@ Teardown runs on ``__exit__``, on SIGINT/SIGTERM (previous handlers are
 restored and then called) and at interpreter exit. A run killed with SIGKILL
 leaves namespaces named ``cgxns-<pid>-...``; ``python -m benchmarks.netsim
 cleanup`` removes those whose process is gone.
+
+:class:`SlowNetwork` composes the parts, each in its own module: where the
+hosts live (:mod:`.endpoints`), their namespaces (:mod:`.namespaces`), the
+veths and addresses (:mod:`.links`), the tbf qdiscs (:mod:`.tc`, parameters in
+:mod:`.shaping`), the teardown hooks (:mod:`.teardown`) and the rank
+processes (:mod:`.launch`).
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import ipaddress
 import itertools
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from .errors import NetnsError, NetnsUnavailable, RankFailedError
+from . import links, tc
+from .endpoints import (RankEndpoint, check_launch_settings, count_hosts, host_endpoints,
+                        private_subnet)
+from .errors import NetnsError, RankFailedError
 from .launch import run_group
+from .namespaces import (NAMESPACE_PREFIX, check_available, check_exec, create_namespaces,
+                         delete_namespace, ip_command, list_namespaces, write_hosts_files)
 from .results import LaunchResult
 from .shaping import Shaping
+from .teardown import TeardownHooks, signals_held
 
-NAMESPACE_PREFIX = "cgxns-"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SUBNET = "10.213.0.0/24"
 DEFAULT_MASTER_PORT = 29500
-_BRIDGE = "cgxbr"
-# `ip netns exec NS` bind-mounts the files of /etc/netns/NS over /etc: each
-# simulated host gets its own /etc/hosts there.
-ETC_NETNS = Path("/etc/netns")
 _instance_ids = itertools.count()
-_TEARDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 Argv = Sequence[str]
-
-
-@dataclass(frozen=True)
-class RankEndpoint:
-    """Where one rank lives on the simulated network."""
-
-    rank: int
-    namespace: str  # run the rank with `ip netns exec <namespace> ...`
-    address: str  # its IPv4 address, valid inside the namespaces only
-    ifname: str  # its veth (what GLOO_SOCKET_IFNAME names)
-    peer_namespace: str  # the other end: rank 1's namespace, or the switch
-    peer_ifname: str
-
-
-def _ip() -> str:
-    path = shutil.which("ip")
-    if path is None:
-        raise NetnsUnavailable("the `ip` command (iproute2) is not on PATH; install iproute2")
-    return path
-
-
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if check and proc.returncode != 0:
-        raise NetnsError(f"`{' '.join(argv)}` failed (exit {proc.returncode}): {proc.stderr.strip()}")
-    return proc
-
-
-def check_available(need_tc: bool = True) -> None:
-    """Raise :class:`NetnsUnavailable` with the reason if namespaces cannot work here.
-
-    This checks only what can be checked without creating anything; creating
-    the first namespace (in :meth:`SlowNetwork.start`) is the final test.
-    """
-    if not sys.platform.startswith("linux"):
-        raise NetnsUnavailable(f"network namespaces need Linux, this is {sys.platform}")
-    if os.geteuid() != 0:
-        raise NetnsUnavailable(f"creating network namespaces needs root (effective uid is {os.geteuid()})")
-    _ip()
-    if need_tc and shutil.which("tc") is None:
-        raise NetnsUnavailable("the `tc` command (iproute2) is not on PATH; "
-                               "install iproute2, or use rate=None")
-
-
-def list_namespaces(prefix: str = NAMESPACE_PREFIX) -> list[str]:
-    """Names of the existing network namespaces that start with ``prefix``."""
-    if shutil.which("ip") is None:
-        return []
-    out = _run([_ip(), "netns", "list"], check=False).stdout
-    names = [line.split()[0] for line in out.splitlines() if line.strip()]
-    return sorted(n for n in names if n.startswith(prefix))
-
-
-def delete_namespace(name: str) -> bool:
-    """Kill what still runs inside namespace ``name``, then delete it. True if it is gone.
-
-    The processes killed here are inside a namespace this harness created, so
-    they are rank processes it started (``ip netns pids`` lists only those).
-    A namespace whose processes survived would outlive ``ip netns del``.
-    """
-    ip = _ip()
-    pids = _run([ip, "netns", "pids", name], check=False).stdout.split()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
-    _run([ip, "netns", "del", name], check=False)
-    shutil.rmtree(ETC_NETNS / name, ignore_errors=True)
-    return name not in list_namespaces(name)
-
-
-def _owner_pid(name: str) -> Optional[int]:
-    # cgxns-<pid>-<instance>-<role>
-    parts = name[len(NAMESPACE_PREFIX):].split("-")
-    return int(parts[0]) if parts and parts[0].isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def cleanup_leftovers(all_owners: bool = False, dry_run: bool = False) -> list[str]:
-    """Delete namespaces left by killed runs; returns their names.
-
-    Args:
-        all_owners: also delete namespaces whose creating process still runs
-            (only when you know no other run is using them).
-        dry_run: only list what would be deleted.
-    """
-    victims = []
-    for name in list_namespaces():
-        pid = _owner_pid(name)
-        if all_owners or pid is None or not _alive(pid):
-            victims.append(name)
-    if not dry_run:
-        for name in victims:
-            delete_namespace(name)
-    return victims
 
 
 class SlowNetwork:
@@ -206,33 +101,10 @@ class SlowNetwork:
         threads_per_rank: int = 1,
         ranks_per_host: int = 1,
     ):
-        if isinstance(n_ranks, bool) or not isinstance(n_ranks, int):
-            raise TypeError(f"n_ranks must be an int, got {type(n_ranks).__name__}")
-        if n_ranks < 2:
-            raise ValueError(f"n_ranks must be >= 2 (a link needs two ends), got {n_ranks}")
-        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) \
-                or ranks_per_host < 1 or n_ranks % ranks_per_host:
-            raise ValueError(f"ranks_per_host must be a divisor of n_ranks={n_ranks}, "
-                             f"got {ranks_per_host!r}")
-        n_hosts = n_ranks // ranks_per_host
-        if n_hosts < 2:
-            raise ValueError(f"{n_ranks} ranks at {ranks_per_host} per host make one host; "
-                             "a link needs two (lower ranks_per_host)")
+        n_hosts = count_hosts(n_ranks, ranks_per_host)
         self.shaping = Shaping(rate=rate, burst=burst, latency=latency)
-        try:
-            network = ipaddress.ip_network(subnet)
-        except ValueError as err:
-            raise ValueError(
-                f"subnet {subnet!r} is not an IP network such as '10.213.0.0/24': {err}") from None
-        if network.version != 4 or not network.is_private:
-            raise ValueError(f"subnet {subnet!r} must be a private IPv4 range (e.g. '10.213.0.0/24')")
-        if network.num_addresses - 2 < n_hosts:
-            raise ValueError(
-                f"subnet {subnet!r} has room for {network.num_addresses - 2} hosts, {n_hosts} asked")
-        if not (1 <= master_port <= 65000):
-            raise ValueError(f"master_port must be in 1..65000, got {master_port}")
-        if threads_per_rank < 1:
-            raise ValueError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
+        network = private_subnet(subnet, n_hosts)
+        check_launch_settings(master_port, threads_per_rank)
 
         self.n_ranks = n_ranks
         self.ranks_per_host = ranks_per_host
@@ -243,28 +115,14 @@ class SlowNetwork:
         self.threads_per_rank = threads_per_rank
         self.prefix = f"{NAMESPACE_PREFIX}{os.getpid()}-{next(_instance_ids)}-"
         self.switch_namespace: Optional[str] = f"{self.prefix}sw" if self.switch else None
-
-        # One endpoint per host (its first rank's number in .rank); with one rank
-        # per host the namespaces keep their per-rank names.
-        tag = "r" if ranks_per_host == 1 else "h"
-        addrs = itertools.islice(network.hosts(), n_hosts)
-        self.hosts: list[RankEndpoint] = [
-            RankEndpoint(
-                rank=h * ranks_per_host,
-                namespace=f"{self.prefix}{tag}{h}",
-                address=str(addr),
-                ifname=f"cgx{h}",
-                peer_namespace=self.switch_namespace if self.switch else f"{self.prefix}{tag}{1 - h}",
-                peer_ifname=f"sw{h}" if self.switch else f"cgx{1 - h}",
-            )
-            for h, addr in enumerate(addrs)
-        ]
+        self.hosts: list[RankEndpoint] = host_endpoints(
+            self.prefix, network, n_hosts, ranks_per_host, self.switch_namespace)
         self.ranks: list[RankEndpoint] = [
             dataclasses.replace(self.hosts[r // ranks_per_host], rank=r) for r in range(n_ranks)]
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []
         self._launches = 0
-        self._prev_handlers: dict[int, Any] = {}
+        self._hooks = TeardownHooks(self._close_quietly)
         self._state = "new"  # new -> started -> closed
         self._owner_pid = os.getpid()  # a forked child inherits our hooks but must not tear down
 
@@ -305,7 +163,7 @@ class SlowNetwork:
             raise RuntimeError(f"this SlowNetwork is {self._state}; create a new one")
         check_available(need_tc=self.shaping.rate is not None)
         self._state = "started"
-        self._install_teardown_hooks()
+        self._hooks.install()
         try:
             self._build()
         except BaseException:
@@ -314,59 +172,19 @@ class SlowNetwork:
         return self
 
     def _build(self) -> None:
-        ip = _ip()
         # Our pid is in the names: any namespace with our prefix that we did not
         # create was left by a killed process that had the same pid.
         for stale in list_namespaces(self.prefix):
             delete_namespace(stale)
-        add = _run([ip, "netns", "add", self.namespaces[0]], check=False)
-        if add.returncode != 0:
-            raise NetnsUnavailable(f"`ip netns add` failed: {add.stderr.strip()}")
-        self._created.append(self.namespaces[0])
-        for name in self.namespaces[1:]:
-            _run([ip, "netns", "add", name])
-            self._created.append(name)
-        # Like on a real machine, this host's name resolves to its own address inside
-        # it (on this machine it resolves to 127.0.0.1, which peers cannot reach:
-        # Horovod's Gloo, for one, advertises that address).
-        hostname = socket.gethostname()
-        for ep in self.hosts:
-            (ETC_NETNS / ep.namespace).mkdir(parents=True, exist_ok=True)
-            (ETC_NETNS / ep.namespace / "hosts").write_text(
-                f"127.0.0.1\tlocalhost\n{ep.address}\t{hostname}\n")
-        probe = _run([ip, "netns", "exec", self.namespaces[0], "true"], check=False)
-        if probe.returncode != 0:
-            raise NetnsUnavailable(f"`ip netns exec` failed: {probe.stderr.strip()}")
-
+        create_namespaces(self.namespaces, self._created)
+        write_hosts_files(self.hosts)
+        check_exec(self.namespaces[0])
         if self.switch:
-            sw = self.switch_namespace
-            _run([ip, "-n", sw, "link", "add", _BRIDGE, "type", "bridge"])
-            _run([ip, "-n", sw, "link", "set", _BRIDGE, "up"])
-            for ep in self.hosts:
-                # Created from inside the rank's namespace: the root namespace never sees it.
-                _run([ip, "-n", ep.namespace, "link", "add", ep.ifname, "type", "veth",
-                      "peer", "name", ep.peer_ifname, "netns", sw])
-                _run([ip, "-n", sw, "link", "set", ep.peer_ifname, "master", _BRIDGE])
-                _run([ip, "-n", sw, "link", "set", ep.peer_ifname, "up"])
+            links.join_through_switch(self.hosts, self.switch_namespace)
         else:
-            a, b = self.hosts
-            _run([ip, "-n", a.namespace, "link", "add", a.ifname, "type", "veth",
-                  "peer", "name", b.ifname, "netns", b.namespace])
-
-        for ep in self.hosts:
-            cidr = f"{ep.address}/{self.subnet.prefixlen}"
-            _run([ip, "-n", ep.namespace, "addr", "add", cidr, "dev", ep.ifname])
-            _run([ip, "-n", ep.namespace, "link", "set", "lo", "up"])
-            _run([ip, "-n", ep.namespace, "link", "set", ep.ifname, "up"])
-
-        if self.shaping.rate is not None:
-            tc = shutil.which("tc")
-            tbf = self.shaping.tc_args()
-            for ep in self.hosts:
-                _run([tc, "-n", ep.namespace, "qdisc", "add", "dev", ep.ifname, "root", *tbf])
-                if self.switch:  # the switch's egress toward the rank: the rank's download
-                    _run([tc, "-n", self.switch_namespace, "qdisc", "add", "dev", ep.peer_ifname,
-                          "root", *tbf])
+            links.join_directly(*self.hosts)
+        links.address_hosts(self.hosts, self.subnet.prefixlen)
+        tc.shape_links(self.shaping, self.hosts, self.switch_namespace)
 
     def close(self, raise_errors: bool = True) -> None:
         """Stop running ranks and delete every namespace of this network (idempotent).
@@ -381,23 +199,14 @@ class SlowNetwork:
         self._state = "closed"
         # A second Ctrl-C must not interrupt a half-done teardown: hold the
         # signals until it is complete; they are delivered right after.
-        on_main = threading.current_thread() is threading.main_thread()
-        if on_main:
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _TEARDOWN_SIGNALS)
-        try:
-            for proc in self._procs:
-                if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            # By prefix too: a signal may land between `ip netns add` and our bookkeeping.
-            names = sorted(set(self._created) | set(list_namespaces(self.prefix)))
-            left = [name for name in names if not delete_namespace(name)]
-        finally:
-            self._uninstall_teardown_hooks()
-            if on_main:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        with signals_held():
+            try:
+                self._kill_ranks()
+                # By prefix too: a signal may land between `ip netns add` and our bookkeeping.
+                names = sorted(set(self._created) | set(list_namespaces(self.prefix)))
+                left = [name for name in names if not delete_namespace(name)]
+            finally:
+                self._hooks.uninstall()
         if left:
             msg = (f"could not delete network namespaces {left}; "
                    f"remove them with: python -m benchmarks.netsim cleanup --all")
@@ -405,37 +214,21 @@ class SlowNetwork:
                 raise NetnsError(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
-    def _install_teardown_hooks(self) -> None:
-        atexit.register(self._close_quietly)
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers can only be set from the main thread
-        for sig in _TEARDOWN_SIGNALS:
-            self._prev_handlers[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._on_signal)
-
-    def _uninstall_teardown_hooks(self) -> None:
-        atexit.unregister(self._close_quietly)
-        for sig, prev in self._prev_handlers.items():
-            if signal.getsignal(sig) == self._on_signal:  # do not clobber a later owner's handler
-                signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-        self._prev_handlers.clear()
+    def _kill_ranks(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def _close_quietly(self) -> None:
         self.close(raise_errors=False)
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        prev = self._prev_handlers.get(signum, signal.SIG_DFL)
-        self.close(raise_errors=False)  # also restores the previous handlers
-        if callable(prev):
-            prev(signum, frame)  # e.g. Python's SIGINT handler raises KeyboardInterrupt
-        elif prev != signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
     # ---------------------------------------------------------------- launch
     def netns_exec(self, rank: int) -> list[str]:
         """The argv prefix that runs a command inside ``rank``'s namespace (for own launchers)."""
-        return [_ip(), "netns", "exec", self.ranks[rank].namespace]
+        return [ip_command(), "netns", "exec", self.ranks[rank].namespace]
 
     def rank_env(self, rank: int, master_port: Optional[int] = None,
                  extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:

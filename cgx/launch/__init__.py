@@ -2,7 +2,10 @@
 
 - :mod:`cgx.launch.world`: who am I (rank, size, local and cross ranks, rank 0's
   address) from the launcher's environment (horovodrun, torchrun, Open MPI,
-  MPICH, Slurm), and the node layout from the ranks' host names.
+  MPICH, Slurm).
+- :mod:`cgx.launch.layout`: the node layout, checked against the ranks' host names.
+- :mod:`cgx.launch.addresses`: the address other hosts reach this one at
+  (interfaces, routes, host names).
 - :mod:`cgx.launch.rendezvous`: rank 0's address and the store the ranks meet at.
 - :mod:`cgx.launch.cli`: the ``cgxrun`` command (parser, checks, the ranks'
   environment), over :mod:`~cgx.launch.torchrun` (``--gloo``) and

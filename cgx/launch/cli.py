@@ -53,11 +53,11 @@ import shutil
 import sys
 from typing import Mapping, Optional, Sequence
 
+from cgx.launch.addresses import is_local_host
 from cgx.launch.exit_record import OUTPUT_DIR_VAR, RECORD_FLAG, TAG_OUTPUT_VAR, record_exit
 from cgx.launch.mpirun import exported_names, has_mpi4py, mpi_flavor, mpirun_command, run_mpirun
 from cgx.launch.spec import DEFAULT_MASTER_PORT, USAGE_EXIT, Host, RunSpec, UsageError
 from cgx.launch.torchrun import local_node, run_torchrun, torchrun_args
-from cgx.launch.world import is_local_host
 
 
 _EPILOG = """\

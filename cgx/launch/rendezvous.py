@@ -2,7 +2,7 @@
 
 * ``MASTER_ADDR``/``MASTER_PORT`` (torchrun, or set by the user): used as given.
 * mpirun (Open MPI, MPICH): rank 0 opens the store on a free port, picks the
-  address the others reach it at (:func:`cgx.launch.world.advertised_address`) and
+  address the others reach it at (:func:`cgx.launch.addresses.advertised_address`) and
   broadcasts both with mpi4py.
 * horovodrun ``--gloo``: the same, published through horovodrun's HTTP
   key-value server (``PUT``/``GET /cgx/master.<generation>``); the others poll.
@@ -22,7 +22,8 @@ import urllib.request
 
 from cgx.config import Config
 from cgx.errors import CGXError, ConfigError, MissingDependencyError
-from cgx.launch.world import Launcher, WorldInfo, advertised_address
+from cgx.launch.addresses import advertised_address
+from cgx.launch.world import Launcher, WorldInfo
 
 # Scope of cgx's keys on horovodrun's HTTP key-value server.
 KV_SCOPE = "cgx"

@@ -7,9 +7,9 @@ import sys
 import tempfile
 from typing import Optional
 
+from cgx.launch.addresses import is_local_host
 from cgx.launch.exit_record import EXIT_RECORD_VAR, exit_code, first_recorded_failure
 from cgx.launch.spec import RunSpec
-from cgx.launch.world import is_local_host
 
 
 def torchrun_args(spec: RunSpec, node_rank: Optional[int] = None) -> list[str]:

@@ -26,26 +26,21 @@ the launcher does not give them (Open MPI, MPICH), they are derived as
 ``rank // local_size`` and ``ceil(size / local_size)``, which assumes ranks are
 placed on nodes in blocks of equal size (mpirun's default ``--map-by slot``);
 ``WorldInfo.cross_derived`` says so and ``cgx.init()`` replaces them with the
-layout measured from all ranks' host names when that differs.
-
-The module also holds the small network helpers that find the address other
-hosts reach this one at (:func:`advertised_address`); they use only the
-standard library so that ``cgxrun`` and ``import cgx`` stay cheap.
+layout measured from all ranks' host names when that differs
+(:mod:`cgx.launch.layout`). The address other hosts reach this one at is found
+by :mod:`cgx.launch.addresses`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import fcntl
-import ipaddress
 import os
 import re
 import socket
-import struct
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-from cgx.errors import CGXError, ConfigError
+from cgx.errors import ConfigError
 
 
 class Launcher(enum.Enum):
@@ -369,205 +364,3 @@ def discover(env: Optional[Mapping[str, str]] = None) -> WorldInfo:
     return _finish(Launcher.SINGLE, env, rank=0, size=1,
                    names=("rank", "size", "local_rank", "local_size"),
                    local_rank=0, local_size=1, cross_rank=0, cross_size=1)
-
-
-# -- network helpers -------------------------------------------------------------
-
-_SIOCGIFADDR = 0x8915  # Linux ioctl: IPv4 address of an interface
-
-
-def interface_address(ifname: str) -> str:
-    """IPv4 address of network interface ``ifname`` (Linux).
-
-    Raises:
-        ConfigError: no such interface, or it has no IPv4 address.
-    """
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR,
-                                 struct.pack("256s", ifname.encode()[:15]))
-    except OSError as e:
-        names = ", ".join(name for _, name in socket.if_nameindex())
-        raise ConfigError(f"network interface {ifname!r} has no IPv4 address ({e.strerror}); "
-                          f"interfaces here: {names}. Fix GLOO_SOCKET_IFNAME / "
-                          f"--network-interface") from None
-    return socket.inet_ntoa(packed[20:24])
-
-
-def local_addresses() -> set[str]:
-    """IPv4 addresses of this host's interfaces (plus what its host name resolves to)."""
-    found = {"127.0.0.1"}
-    for _, name in socket.if_nameindex():
-        try:
-            found.add(interface_address(name))
-        except ConfigError:
-            pass
-    try:
-        found.update(socket.gethostbyname_ex(socket.gethostname())[2])
-    except OSError:
-        pass
-    return found
-
-
-def is_local_host(host: str) -> bool:
-    """True if ``host`` (name or address) is this machine."""
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return True
-    me = socket.gethostname()
-    if host in (me, me.split(".")[0], socket.getfqdn()):
-        return True
-    try:
-        addrs = {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
-    except OSError:
-        return False
-    return bool(addrs & local_addresses())
-
-
-def route_source_address(target: str) -> Optional[str]:
-    """The local IPv4 address this host sends from to reach ``target``, or None.
-
-    Uses a UDP ``connect``, which only consults the routing table: no packet
-    is sent.
-    """
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((target, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return None
-
-
-def _is_loopback(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return False
-
-
-# Probed for "the interface that leads outside" when nothing better is known;
-# route_source_address() sends nothing to it.
-_OUTSIDE_PROBE = "8.8.8.8"
-
-
-def advertised_address(env: Mapping[str, str], *, all_local: bool,
-                       peers: Iterable[str] = ()) -> str:
-    """The address other ranks should use to reach this host (rank 0's store).
-
-    In order: the IPv4 address of the interface named by ``GLOO_SOCKET_IFNAME``
-    (or ``HOROVOD_GLOO_IFACE``, ``NCCL_SOCKET_IFNAME``); ``127.0.0.1`` when every
-    rank runs on this host; the source address of the route to a peer host
-    (``peers``: other ranks' host names or horovodrun's rendezvous address);
-    the source address of the route to the outside; what this host's name
-    resolves to.
-
-    Raises:
-        CGXError: only loopback addresses were found while ranks run on
-            several hosts; the message says which variable to set.
-    """
-    for var in ("GLOO_SOCKET_IFNAME", "HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME"):
-        value = _get(env, var)
-        if value is None:
-            continue
-        # NCCL's syntax allows "^lo" (exclude) and "=eth0" (exact); only a plain
-        # or exact name names one interface.
-        first = value.split(",")[0].strip().lstrip("=")
-        if first and not first.startswith("^"):
-            return interface_address(first)
-    if all_local:
-        return "127.0.0.1"
-    candidates = []
-    for peer in peers:
-        try:
-            addr = socket.getaddrinfo(peer, None, socket.AF_INET)[0][4][0]
-        except OSError:
-            continue
-        candidates.append(route_source_address(addr))
-    candidates.append(route_source_address(_OUTSIDE_PROBE))
-    try:
-        candidates.append(socket.gethostbyname(socket.gethostname()))
-    except OSError:
-        pass
-    for addr in candidates:
-        if addr and not _is_loopback(addr):
-            return addr
-    raise CGXError(f"could not find an address of host {socket.gethostname()!r} that other hosts "
-                   f"can reach (only loopback found); set GLOO_SOCKET_IFNAME to the interface "
-                   f"to use (cgxrun --network-interface), or MASTER_ADDR and MASTER_PORT")
-
-
-# -- the node layout, agreed once the ranks are connected ------------------------------
-
-def adopt_group(world: WorldInfo, rank: int, size: int) -> tuple[WorldInfo, bool]:
-    """Check the transport's group (this ``rank`` of ``size``) against the launcher's world.
-
-    Returns (world, adopted): adopted when no known launcher started the ranks
-    and the world comes from the transport's group.
-    """
-    if size == world.size and rank == world.rank:
-        return world, False
-    if world.launcher is Launcher.SINGLE:
-        # A group the user made without a launcher we know: the group is the world;
-        # node_layout() measures the nodes from host names.
-        return dataclasses.replace(
-            world, rank=rank, size=size, local_rank=0, local_size=1, cross_rank=0,
-            cross_size=1, cross_derived=True,
-            notes=world.notes + ("world taken from the transport's group",)), True
-    raise ConfigError(f"the transport's group has rank {rank} of {size}, but "
-                      f"{world.launcher.value} started this process as rank {world.rank} of "
-                      f"{world.size}; pass a transport over all ranks of the job")
-
-
-def layout_from_hosts(hosts: list[str]) -> list[tuple[int, int, int]]:
-    """(node index, local rank, local size) of every rank, from their host names.
-
-    Nodes are numbered in the order of their lowest rank; local ranks follow
-    global rank order on each node.
-    """
-    nodes: dict[str, list[int]] = {}
-    for r, h in enumerate(hosts):
-        nodes.setdefault(h, []).append(r)
-    index = {h: i for i, h in enumerate(nodes)}
-    return [(index[h], nodes[h].index(r), len(nodes[h])) for r, h in enumerate(hosts)]
-
-
-def layout_row(world: WorldInfo) -> tuple:
-    """What each rank tells the others for :func:`node_layout` (one allgather)."""
-    return (world.hostname, world.local_rank, world.local_size, world.cross_rank)
-
-
-def node_layout(world: WorldInfo, rows: list, adopted: bool = False):
-    """The node layout from every rank's :func:`layout_row`: (world, local groups, cross groups).
-
-    Launcher values are kept when the launcher gave them; derived node indices
-    (and, for an adopted group, everything) come from the host names.
-    """
-    if world.cross_derived:
-        measured = layout_from_hosts([row[0] for row in rows])
-        if adopted or all((m[1], m[2]) == (row[1], row[2]) for m, row in zip(measured, rows)):
-            node, lrank, lsize = measured[world.rank]
-            nodes = max(m[0] for m in measured) + 1
-            world = dataclasses.replace(
-                world, local_rank=lrank, local_size=lsize, cross_rank=node, cross_size=nodes,
-                cross_derived=False,
-                notes=tuple(n for n in world.notes if not n.startswith("cross_rank/cross_size"))
-                + ("node layout measured from host names",))
-            rows = [(h, m[1], m[2], m[0]) for (h, *_), m in zip(rows, measured)]
-        else:
-            world = dataclasses.replace(world, notes=world.notes + (
-                "host names disagree with the launcher's local ranks: kept rank // local_size",))
-    node_of = [row[3] for row in rows]
-    local_groups: dict[int, list[int]] = {}
-    for r, n in enumerate(node_of):
-        local_groups.setdefault(n, []).append(r)
-    for r, (_, lrank, lsize, node) in enumerate(rows):
-        members = local_groups[node]
-        if len(members) != lsize or members.index(r) != lrank:
-            raise ConfigError(
-                f"the launcher's node layout is inconsistent: rank {r} says it is local rank "
-                f"{lrank} of {lsize} on node {node}, but the ranks on node {node} are {members}; "
-                f"check the launcher's LOCAL_* and node variables")
-    cross_groups: dict[int, list[int]] = {}
-    for r, row in enumerate(rows):
-        cross_groups.setdefault(row[1], []).append(r)
-    return (world, [local_groups[n] for n in sorted(local_groups)],
-            [cross_groups[lr] for lr in sorted(cross_groups)])
