@@ -174,6 +174,24 @@ def validate_gbit(value, what: str):
     return None if value is None else float(value)
 
 
+MIN_SECRET_LENGTH = 32
+
+
+def validate_job_secret(value: Optional[str]) -> Optional[str]:
+    """CGX_JOB_SECRET: None, or at least 32 printable characters (its value is never shown)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"job_secret (CGX_JOB_SECRET) must be a string, got "
+                          f"{type(value).__name__}")
+    if len(value) < MIN_SECRET_LENGTH or not value.isprintable() or value != value.strip():
+        raise ConfigError(f"CGX_JOB_SECRET holds {len(value)} characters; expected at least "
+                          f"{MIN_SECRET_LENGTH} printable ones without surrounding spaces, e.g. "
+                          "the output of python -c 'import secrets; print(secrets.token_hex(32))'"
+                          " (or unset it and let cgxrun draw one)")
+    return value
+
+
 def validate_bits(bits: int, where: str = "bits") -> int:
     if isinstance(bits, bool) or not isinstance(bits, int):
         raise ConfigError(f"{where} must be an int, got {type(bits).__name__}")
@@ -246,6 +264,10 @@ class Config:
     # CGX_STATS_EVERY: every this many steps, measure each compressed layer's relative
     # compression error (one extra local quantize pass of that step); 0: never.
     stats_every: int = 100
+    # CGX_JOB_SECRET: the job's secret; cgx.init() admits only ranks that prove they know
+    # it (HMAC challenge-response on the rendezvous store, cgx.launch.gate). cgxrun draws
+    # one per job; unset: nobody is checked. Kept out of repr() and printed output.
+    job_secret: Optional[str] = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         validate_bits(self.bits, "bits (CGX_COMPRESSION_QUANTIZATION_BITS)")
@@ -264,6 +286,7 @@ class Config:
             raise ConfigError(f"stall_warning_s={self.stall_warning_s} must be in [0, 604800]")
         if not 0 < self.start_timeout_s <= 7 * 24 * 3600:
             raise ConfigError(f"start_timeout_s={self.start_timeout_s} must be in (0, 604800]")
+        validate_job_secret(self.job_secret)
         if not self.auto_alpha > 0:
             raise ConfigError(f"auto_alpha={self.auto_alpha} must be > 0 (CGX_AUTO_ALPHA)")
         if not 1 <= self.auto_window <= self.auto_adjust_every:
@@ -334,6 +357,7 @@ class Config:
             check_consistency=_bool(env, "CGX_CHECK_CONSISTENCY", cls.check_consistency),
             verbose=_bool(env, "CGX_VERBOSE", cls.verbose),
             stats_every=_int(env, "CGX_STATS_EVERY", cls.stats_every, 0, 1 << 30),
+            job_secret=env.get("CGX_JOB_SECRET") or None,
         )
 
 
@@ -420,4 +444,8 @@ ENV_VARS = {
                    "shutdown (default 0)",
     "CGX_STATS_EVERY": "measure each compressed layer's relative compression error every N "
                        "steps (hvd.stats().layer_error; default 100, 0: never)",
+    "CGX_JOB_SECRET": "the job's secret: only ranks that prove they know it (HMAC-SHA256 "
+                      "challenge-response) join the job; cgxrun draws one per job, set the "
+                      "same value on every host for multi-host --gloo launches; never printed "
+                      "(default unset: nobody is checked; docs/security.md)",
 }

@@ -176,16 +176,19 @@ def test_worker_env(monkeypatch):
 
 def test_torchrun_args_single_host():
     spec = parse_args(["-np", "4", "--start-timeout", "30", "python", "t.py"])
-    assert torchrun.torchrun_args(spec) == ["--standalone", "--nnodes", "1", "--nproc-per-node", "4",
-                                       "--rdzv-conf", "join_timeout=30", "--no-python", "python",
-                                       "t.py"]
+    # the store on loopback only, on a port the OS picks (cgx-static binds it)
+    assert torchrun.torchrun_args(spec) == [
+        "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", "4", "--rdzv-backend",
+        "cgx-static", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf", "rank=0,timeout=30",
+        "--no-python", "python", "t.py"]
 
 
 def test_torchrun_args_per_host():
     spec = parse_args(["-np", "3", "-H", "a:2,b:2", "--master-port", "1234", "prog", "x"])
     assert torchrun.torchrun_args(spec, 1) == [
-        "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--rdzv-backend", "static",
-        "--master-addr", "a", "--master-port", "1234", "--no-python", "prog", "x"]
+        "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--rdzv-backend",
+        "cgx-static", "--rdzv-endpoint", "a:1234", "--rdzv-conf", "rank=1", "--no-python",
+        "prog", "x"]
 
 
 def test_multi_host_gloo_without_this_host_prints_per_host_commands(capsys):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 from cgx.config import Config, TorchBackend, TransportKind
 from cgx.errors import CGXError, ConfigError
+from cgx.launch.gate import gated_store
 from cgx.launch.rendezvous import install_mpi_abort_hook, make_store
 from cgx.launch.world import Launcher, WorldInfo
 
@@ -110,14 +111,20 @@ def connect_torch(world: WorldInfo, cfg: Config, device, explicit: bool,
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     address = None
     if world.launcher is Launcher.TORCHRUN and world.master_addr is not None:
-        # torchrun's env:// (its agent's store when TORCHELASTIC_USE_AGENT_STORE is set).
-        dist.init_process_group(backend, init_method="env://", rank=world.rank,
-                                world_size=world.size, timeout=timeout)
+        # torchrun's env:// store (its agent's when TORCHELASTIC_USE_AGENT_STORE is set),
+        # as init_method="env://" would open it.
+        store, _, _ = next(dist.rendezvous("env://", rank=world.rank, world_size=world.size,
+                                           timeout=timeout))
+        store.set_timeout(timeout)
     else:
         store = make_store(world, cfg, generation)
         address = (store.host, store.port) if hasattr(store, "port") else None
-        dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
-                                timeout=timeout)
+    # Only the ranks that prove they know CGX_JOB_SECRET get past this (none is checked
+    # without one); the group is built on the store the gate hands back.
+    scope = f"{generation}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = gated_store(store, world.rank, world.size, cfg, scope)
+    dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
+                            timeout=timeout)
     try:
         return Connection(TorchTransport(_own_group(cfg), dev, owns_group=True,
                                          timeout_s=cfg.timeout_s),

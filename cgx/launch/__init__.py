@@ -7,6 +7,8 @@
 - :mod:`cgx.launch.addresses`: the address other hosts reach this one at
   (interfaces, routes, host names).
 - :mod:`cgx.launch.rendezvous`: rank 0's address and the store the ranks meet at.
+- :mod:`cgx.launch.secret`, :mod:`cgx.launch.gate`: the job's secret and the
+  admission on that store (only ranks that prove the secret join).
 - :mod:`cgx.launch.cli`: the ``cgxrun`` command (parser, checks, the ranks'
   environment), over :mod:`~cgx.launch.torchrun` (``--gloo``) and
   :mod:`~cgx.launch.mpirun` (``--mpi``); :mod:`~cgx.launch.spec` holds the parsed

@@ -10,10 +10,10 @@ Examples::
 need (``CGX_FUSION_BUFFER_SIZE_MB``, ``CGX_TIMELINE``, ``CGX_VERBOSE``, ...):
 
 ``--gloo`` (default): ``torch.distributed.run``, run inside cgxrun.
-    One host: ``--standalone --nproc-per-node N``. Several hosts (``-H``): run
+    One host: ``--nproc-per-node N``, its store on 127.0.0.1 only. Several hosts (``-H``): run
     the same ``cgxrun`` command on every host; each starts its own ranks with
-    ``--nnodes/--node-rank/--master-addr/--master-port`` (the static
-    rendezvous at the first host of ``-H``, port ``--master-port``). The node
+    ``--nnodes/--node-rank`` and the static rendezvous (``cgx-static``: its store
+    on the first host of ``-H``, port ``--master-port``). The node
     is found by matching this machine against ``-H``, or given with
     ``--node-rank``. Without a match cgxrun prints the per-host commands.
     (Starting remote ranks over ssh is left to ``--mpi``.)
@@ -56,6 +56,7 @@ from typing import Mapping, Optional, Sequence
 from cgx.launch.addresses import is_local_host
 from cgx.launch.exit_record import OUTPUT_DIR_VAR, RECORD_FLAG, TAG_OUTPUT_VAR, record_exit
 from cgx.launch.mpirun import exported_names, has_mpi4py, mpi_flavor, mpirun_command, run_mpirun
+from cgx.launch.secret import SECRET_VAR, draw as draw_secret, redact
 from cgx.launch.spec import DEFAULT_MASTER_PORT, USAGE_EXIT, Host, RunSpec, UsageError
 from cgx.launch.torchrun import local_node, run_torchrun, torchrun_args
 
@@ -240,6 +241,25 @@ def worker_env(spec: RunSpec, base: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+def secret_env(spec: RunSpec, base: Mapping[str, str], say) -> dict[str, str]:
+    """``CGX_JOB_SECRET`` for the ranks: the user's (``base``), else a fresh one.
+
+    A ``--gloo`` job on several hosts runs one cgxrun per host, which cannot share a
+    secret it draws: without the user's, that job runs unchecked, and ``say`` tells
+    how to set one.
+    """
+    if base.get(SECRET_VAR):
+        return {}  # the ranks inherit it; Config.from_env has checked its form
+    hosts = spec.assignment()
+    if spec.mode == "gloo" and spec.hosts and (len(hosts) > 1 or
+                                               not is_local_host(hosts[0][0])):
+        say(f"several hosts: export the same {SECRET_VAR} on every host (e.g. "
+            f"{SECRET_VAR}=$(python -c 'import secrets; print(secrets.token_hex(32))')) so "
+            f"that only this job's ranks join; running without one")
+        return {}
+    return {SECRET_VAR: draw_secret()}
+
+
 def _stderr_is_tty() -> bool:
     from cgx.console import isatty
     return isatty(sys.stderr)
@@ -273,18 +293,22 @@ def help_env() -> str:
               "  --timeline-filename     CGX_TIMELINE",
               "  --verbose               CGX_VERBOSE=1",
               "  --start-timeout         CGX_START_TIMEOUT_S",
-              "  --network-interface     GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME"]
+              "  --network-interface     GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME",
+              "", f"Drawn by cgxrun for each job unless set: {SECRET_VAR} (never printed)"]
     return "\n".join(lines)
 
 
 def _fmt(env: Mapping[str, str], cmd: Sequence[str]) -> str:
-    return " ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())] +
+    """``VAR=value ... command`` for printing; the job's secret is redacted."""
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in sorted(redact(env).items())] +
                     [shlex.quote(c) for c in cmd])
 
 
 def _launch(spec: RunSpec) -> int:
     base = dict(os.environ)
+    say = (lambda msg: print(f"cgxrun: {msg}", file=sys.stderr, flush=True))
     extra = worker_env(spec, base)
+    extra.update(secret_env(spec, base, say))  # exported by name (-x), never in a command
     env = {**base, **extra}
     try:
         from cgx.config import Config
@@ -292,7 +316,6 @@ def _launch(spec: RunSpec) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_program(spec.command, env)
-    say = (lambda msg: print(f"cgxrun: {msg}", file=sys.stderr, flush=True))
     if spec.mode == "mpi":
         mpirun = shutil.which("mpirun", path=env.get("PATH"))
         if mpirun is None:

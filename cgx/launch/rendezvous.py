@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import sys
 import time
 import urllib.error
@@ -79,12 +80,38 @@ def _connect(addr: str, port: int, world_size: int, cfg: Config):
     return store
 
 
+def listening_socket(addr: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``addr``'s interface only (port 0: the OS picks one).
+
+    Handed to ``TCPStore(master_listen_fd=...)``: given only a host name, torch's store
+    server listens on every interface (``*:port``, both backends, torch 2.13), also for
+    127.0.0.1 (docs/security.md).
+    """
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    ip = addr if family == socket.AF_INET6 else socket.gethostbyname(addr)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _serve(addr: str, port: int, world_size: int, cfg: Config):
     import torch.distributed as dist
     try:
-        return dist.TCPStore(addr, port, world_size, True,
-                             timeout=datetime.timedelta(seconds=cfg.timeout_s),
-                             wait_for_workers=False)
+        sock = listening_socket(addr, port)
+        port, fd = sock.getsockname()[1], sock.detach()  # the store closes fd once it has it
+        try:
+            return dist.TCPStore(addr, port, world_size, True,
+                                 timeout=datetime.timedelta(seconds=cfg.timeout_s),
+                                 wait_for_workers=False, master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
     except (RuntimeError, OSError) as e:
         raise CGXError(f"rank 0 could not serve its store at {addr}:{port} ({e}); if the port is "
                        f"taken set MASTER_PORT to a free one, if the address is wrong set "
