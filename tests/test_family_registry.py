@@ -1,7 +1,7 @@
 """A compression family defined in this file alone (a compressor class and one
 ``configs.register``) is used fixed by DistributedOptimizer, by the DDP hook, and
-survives a Keras config round trip. (Offering a new family to ``compression="auto"``
-still takes a candidate entry in cgx.policy.levels.)"""
+survives a Keras config round trip; one that also names its levels (``auto_levels``) is
+offered to ``Compression.auto`` by its name, chosen, and reduced as it says."""
 
 from __future__ import annotations
 
@@ -85,3 +85,132 @@ def test_the_family_round_trips_a_config_and_a_keras_optimizer():
         assert type(rebuilt._compression) is RoundToStep and rebuilt._compression.step == 2.0
     finally:
         hvd.shutdown()
+
+
+class BlockMean(Compressor):
+    """Toy family offered to ``Compression.auto``: each block of ``block`` values sent as its
+    mean (a linear map, so the payloads sum); ``block`` is its level."""
+
+    family = Family.SUMMABLE
+    summable = True
+    config_type = "test-block-mean"
+
+    def __init__(self, block: int = 16):
+        self.block = int(block)
+
+    def compress(self, tensor, name=None):
+        flat = tensor.reshape(-1).float()
+        pad = (-flat.numel()) % self.block
+        means = torch.nn.functional.pad(flat, (0, pad)).view(-1, self.block).mean(1)
+        return means, (tensor.shape, tensor.dtype, flat.numel())
+
+    def decompress(self, payload, ctx):
+        shape, dtype, n = ctx
+        return payload.repeat_interleave(self.block)[:n].view(shape).to(dtype)
+
+    def payload_nbytes(self, numel):
+        return 4 * -(-numel // self.block)
+
+    def to_config(self):
+        return {"block": self.block}
+
+    @classmethod
+    def auto_levels(cls, shape):
+        numel = 1
+        for d in shape:
+            numel *= d
+        return [{"block": b} for b in (4, 16) if b < numel]
+
+
+configs.register(BlockMean)
+
+
+def _auto():
+    from cgx.compression import Compression
+    # a budget wide enough for the toy's coarse blocks, which send fewer bytes than 4 bits
+    return Compression.auto(families=("quantize", "test-block-mean"), bits=(4,),
+                            bucket_sizes=(1024,), alpha=50.0, window=2, adjust_every=4)
+
+
+def _batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(16, 32, generator=g)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+
+
+def _auto_run(rank: int, world: int, via: str) -> dict:
+    import cgx.torch as hvd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    hvd.init()
+    model = _mlp()
+    if via == "optimizer":
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       named_parameters=model.named_parameters(),
+                                       compression=_auto())
+        plan_of, trained = opt, model
+    else:
+        trained = DDP(model)
+        opt = torch.optim.SGD(trained.parameters(), lr=0.05)
+        plan_of = hvd.CGXState(trained, compression=_auto(), optimizer=opt)
+        trained.register_comm_hook(plan_of, hvd.cgx_hook)
+    for step in range(10):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.zero_grad()
+        trained(_batch(step, rank)).square().mean().backward()
+        if via == "optimizer":
+            opt.synchronize()
+        reduced = {n: p.grad.clone() for n, p in model.named_parameters()}
+        with opt.skip_synchronize() if via == "optimizer" else _nothing():
+            opt.step()
+    local = []
+    for r in range(world):  # every rank's own gradient of the last step
+        m = _mlp()
+        m.load_state_dict(before)
+        m(_batch(step, r)).square().mean().backward()
+        local.append({n: p.grad for n, p in m.named_parameters()})
+    rows = plan_of.compression_plan()
+    return {"rows": [(r["layer"], r["family"], r["level"]) for r in rows],
+            "reduced": reduced, "local": local,
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("via", ["optimizer", "ddp-hook"])
+def test_auto_chooses_the_registered_family_and_reduces_it_as_it_says(via):
+    outs = run_gloo(_auto_run, 2, via)
+    rows = outs[0]["rows"]
+    assert rows == outs[1]["rows"]  # one plan on every rank
+    toy = [(layer, level) for layer, family, level in rows if family == "test-block-mean"]
+    assert toy, rows  # auto offered the toy family and chose it where its bytes are fewest
+    assert all(level.startswith("test-block-mean(block=") for _, level in toy)
+    for p, q in zip(outs[0]["params"], outs[1]["params"]):
+        assert torch.equal(p, q)
+    if via != "optimizer":
+        return  # the hook's buckets name their tensors by bucket: the optimizer's by layer
+    for layer, level in toy:
+        block = int(level.split("=")[1].rstrip(")"))
+        expected = sum(BlockMean(block).decompress(*BlockMean(block).compress(g[layer]))
+                       for g in outs[0]["local"]) / 2
+        torch.testing.assert_close(outs[0]["reduced"][layer], expected, rtol=0, atol=1e-6)
+
+
+def test_auto_offering_the_family_round_trips_a_config_and_says_what_is_known():
+    from cgx.compression import Compression
+    back = configs.from_config(json.loads(json.dumps(configs.to_config(_auto()))))
+    assert back.families == ("quantize", "test-block-mean")
+    with pytest.raises(ValueError, match="test-block-mean"):  # the error lists it
+        Compression.auto(families=("no-such-family",))
+    with pytest.raises(ValueError, match="auto_levels"):
+        Compression.auto(families=("test-round-to-step",))  # registered, but no levels

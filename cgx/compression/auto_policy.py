@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from cgx.compression.base import OFFERED_FAMILIES
 from cgx.compression.policy import Policy
 from cgx.compression.trial_settings import TrialSettings
 from cgx.config import AutoObjective, CompressionMode, Config, Rounding
@@ -32,16 +33,24 @@ def _objective(value) -> Objective:
 
 
 def _check_families(families) -> tuple:
-    """``families`` as a tuple of lower-case names; ValueError naming the allowed ones."""
+    """``families`` as a tuple of names (cgx's lower-case, a registered family's as
+    registered); ValueError naming the allowed ones."""
     fams = (families,) if isinstance(families, str) else tuple(families)
     if not fams:
         raise ValueError("families is empty; name at least one, e.g. families=('quantize',)")
+    own, out = tuple(OFFERED_FAMILIES), []
     for f in fams:
-        if str(f).lower() not in FAMILIES + CASTS + (EXACT,):
+        name = str(getattr(f, "value", f))
+        if name.lower() in FAMILIES + CASTS + (EXACT,):
+            out.append(name.lower())
+        elif name in own:
+            out.append(name)
+        else:
             raise ValueError(f"unknown compressor family {f!r} for Compression.auto; "
-                             f"expected one of: {', '.join(FAMILIES + CASTS)}, or "
-                             f"families=('{EXACT}',) for no compression at all")
-    return tuple(str(f).lower() for f in fams)
+                             f"expected one of: {', '.join(FAMILIES + CASTS + own)}, or "
+                             f"families=('{EXACT}',) for no compression at all (a family of "
+                             "your own: configs.register it, with auto_levels)")
+    return tuple(out)
 
 
 def _check_levels(fams, bits, bucket_sizes, densities, ranks) -> tuple:
@@ -85,6 +94,9 @@ class AutoCompression(Policy):
             :func:`cgx.policy.levels.candidates.offered_families`). ``("exact",)``:
             exact is every layer's only candidate (uncompressed float32 throughout, by the
             same exchange path: a check of auto's machinery against the exact exchange).
+            A summable family of your own is offered by its ``config_type`` once
+            registered (:func:`cgx.compression.configs.register`) with levels
+            (:meth:`cgx.compression.Compressor.auto_levels`); it carries no residuals.
         window: steps whose gradients are accumulated for the statistics (> 0).
         adjust_every: re-plan every this many steps (>= window).
         warmup_steps: exact exchange for the first steps (as PyTorch's

@@ -66,6 +66,10 @@ class Family(enum.Enum):
         return self in (Family.FP16, Family.BF16)
 
 
+# The registered summable families Compression.auto may offer: config_type -> class
+# (filled by cgx.compression.configs.register for a class with auto_levels).
+OFFERED_FAMILIES: dict = {}
+
 # The family names states saved before 0.2.0 carry (``state_dict()["kind"]``).
 LEGACY_KINDS = {"none": ("exact",), "lowrank": ("powersgd",),
                 "cast": ("fp16", "bf16", "summable")}
@@ -193,6 +197,25 @@ class Compressor(abc.ABC):
     def from_config(cls, config: dict) -> "Compressor":
         """The compressor :meth:`to_config` described."""
         return cls(**config)
+
+    # -- what Compression.auto may offer -----------------------------------------
+
+    @classmethod
+    def auto_levels(cls, shape: Tuple[int, ...]) -> list:
+        """The levels ``Compression.auto`` may give a tensor of ``shape``, each a dict of
+        this class's constructor arguments; none (the default): auto does not offer it.
+
+        A summable family registered with :func:`cgx.compression.configs.register` that
+        returns levels here (and sizes its payload in :meth:`payload_nbytes`) is offered
+        by its ``config_type``: ``Compression.auto(families=("quantize", "my-family"))``.
+        """
+        return []
+
+    def payload_nbytes(self, numel: int) -> int:
+        """Bytes this compressor's payload of ``numel`` float32 values takes on the wire
+        (what ``Compression.auto`` weighs; a family offered to auto defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} must define payload_nbytes(numel) "
+                                  "to be offered to Compression.auto")
 
     @abc.abstractmethod
     def compress(self, tensor: torch.Tensor,

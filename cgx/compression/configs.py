@@ -9,10 +9,10 @@ description. A user's compressor (Horovod's two-method interface) cannot be desc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from cgx.compression.auto_policy import AutoCompression
-from cgx.compression.base import Compressor
+from cgx.compression.base import OFFERED_FAMILIES, Compressor
 from cgx.compression.casts import BF16Compressor, ExactCompressor, FP16Compressor, NoneCompressor
 from cgx.compression.error_feedback import ErrorFeedback
 from cgx.compression.planned_policy import PlannedCompression
@@ -38,7 +38,22 @@ def register(cls) -> type:
         raise TypeError(f"{cls.__name__} needs a config_type (compressors) or name (policies) "
                         "to be registered")
     TYPES[key] = cls
+    OFFERED_FAMILIES.pop(key, None)
+    if isinstance(cls, type) and issubclass(cls, Compressor) and cls.summable and \
+            cls.auto_levels.__func__ is not Compressor.auto_levels.__func__:
+        OFFERED_FAMILIES[key] = cls
     return cls
+
+
+def offered(name: str) -> Optional[type]:
+    """The registered summable compressor class that ``Compression.auto`` offers as the
+    family ``name`` (its ``config_type``), or None: it defines no :meth:`auto_levels`."""
+    return OFFERED_FAMILIES.get(name)
+
+
+def offered_names() -> tuple:
+    """The ``config_type`` of every registered family auto may offer (see :func:`offered`)."""
+    return tuple(OFFERED_FAMILIES)
 
 
 def type_of(comp: Any) -> str:

@@ -141,6 +141,7 @@ class Auto(Mode):
         self.powersgd = PowerSGDCompressor(min_compression_rate=0.0,
                                            error_feedback=cfg.error_feedback)
         self.casts = {f: FusedCast(f) for f in CASTS}
+        self.registered: dict = {}  # a registered family's level -> its compressor
         self.planned = _planner_for(self.adaptive, compression, self.names, shapes,
                                     base) if compression.planner or deciding else None
         # objective="time": trials of whole plans decide what travels (cgx.policy.trials)
@@ -208,7 +209,8 @@ class Auto(Mode):
             if sched.observing(call.step):  # the gradients alone (see cgx.policy.levels.stats)
                 sched.observe(call.step, call.idx, call.work)
             self.cfg.store.add_owed(call.work, call.names)
-        plain = [k for k in range(len(call.work)) if fam[k] not in SEPARATE]
+        plain = [k for k in range(len(call.work))
+                 if fam[k] not in SEPARATE and fam[k] is not Family.SUMMABLE]
         if plain:
             sub = Call([call.work[k] for k in plain], [call.idx[k] for k in plain],
                        [call.names[k] for k in plain], [], call.step, call.shadow, call.label)
@@ -225,6 +227,20 @@ class Auto(Mode):
             else:
                 self._reduce_family(red, family, ws, names, [chosen[k] for k in ks],
                                     call.shadow)
+        self._reduce_registered(red, call, chosen)
+
+    def _reduce_registered(self, red, call: Call, chosen: list) -> None:
+        """The layers planned to a registered family: one allreduce of the payloads per
+        level, in the plan's order on every rank (no state: a joined rank's zeros travel
+        the same way)."""
+        levels = list(dict.fromkeys(c for c in chosen if c is not None and c.custom))
+        for c in levels:
+            ks = [k for k, ck in enumerate(chosen) if ck == c]
+            comp = self.registered.get(c)
+            if comp is None:
+                comp = self.registered[c] = c.compressor()
+            reduce_family(self.cfg, red, comp, [call.work[k] for k in ks],
+                          [call.names[k] for k in ks])
 
     def _reduce_family(self, red, family: Family, ws: list, names: list, chosen: list,
                        shadow: bool) -> None:

@@ -6,7 +6,10 @@ The families (and exact float32 for layers where nothing else fits):
 - top-k: densities (``TopKCompressor``: indices and values, one allgather);
 - PowerSGD: ranks of the low-rank factors (matrices only, where ``r (n + m) < n m``);
 - 16-bit casts: float16 or bfloat16 on the wire (what DDP's fp16/bf16 hooks send), one
-  level each; offered by default to the deciding mode (``objective="time"``).
+  level each; offered by default to the deciding mode (``objective="time"``);
+- a registered summable family of the user's (``configs.register`` of a compressor class
+  with ``auto_levels``): named by its ``config_type``, its levels its own, reduced by one
+  allreduce of its payloads like a cast (no residuals).
 
 A candidate's cost is what one rank sends per step (:meth:`Candidate.traffic`):
 the compressor's own payload size times its collective's traffic factor (an
@@ -23,6 +26,7 @@ import dataclasses
 import math
 from typing import Sequence
 
+from cgx.compression import configs
 from cgx.compression.auto_policy import AutoCompression
 from cgx.compression.base import Family
 from cgx.quant.codec import QuantSpec
@@ -48,6 +52,8 @@ class Candidate:
         bits, bucket_size: the quantization level (QUANTIZE only).
         density: the fraction kept (TOPK only).
         rank: the factors' columns (POWERSGD only).
+        custom: a registered family's ``config_type`` (family SUMMABLE), else "".
+        params: that family's constructor arguments at this level, as sorted pairs.
     """
 
     family: Family
@@ -55,6 +61,26 @@ class Candidate:
     bucket_size: int = 0
     density: float = 0.0
     rank: int = 0
+    custom: str = ""
+    params: tuple = ()
+
+    @classmethod
+    def of(cls, name: str, **params) -> "Candidate":
+        """A level of the registered family ``name`` (its constructor arguments)."""
+        return cls(Family.SUMMABLE, custom=name, params=tuple(sorted(params.items())))
+
+    def compressor(self):
+        """A registered family's compressor at this level (see :meth:`of`)."""
+        cls = configs.offered(self.custom)
+        if cls is None:
+            raise ValueError(f"compression family {self.custom!r} is not registered with "
+                             "levels (cgx.compression.configs.register, auto_levels)")
+        return cls(**dict(self.params))
+
+    @property
+    def family_name(self) -> str:
+        """The family's name: a registered family's ``config_type``, else the enum's."""
+        return self.custom or self.family.value
 
     def spec(self, rounding: Rounding) -> "QuantSpec | None":
         """The reducer's per-tensor spec (None: not quantized)."""
@@ -75,6 +101,8 @@ class Candidate:
         if self.family is Family.TOPK:
             from cgx.compression.topk import TopKCompressor
             return TopKCompressor(self.density).payload_nbytes(numel)
+        if self.custom:
+            return int(self.compressor().payload_nbytes(numel))
         if isinstance(shape, int):
             raise ValueError("a PowerSGD candidate's size needs the tensor's shape")
         from cgx.compression.powersgd import PowerSGDCompressor
@@ -94,31 +122,46 @@ class Candidate:
             return f"rank {self.rank}"
         if self.family in CASTS:
             return self.family.value
+        if self.custom:
+            return self.custom + "(" + ", ".join(f"{k}={v}" for k, v in self.params) + ")"
         return f"{self.bits}-bit/{self.bucket_size}"
 
     def as_list(self) -> list:
-        """JSON-able: ``[family, bits, bucket_size, density, rank]``."""
-        return [self.family.value, self.bits, self.bucket_size, self.density, self.rank]
+        """JSON-able: ``[family, bits, bucket_size, density, rank]``, and for a registered
+        family ``[..., custom, params]``."""
+        out = [self.family.value, self.bits, self.bucket_size, self.density, self.rank]
+        return out + [self.custom, [list(p) for p in self.params]] if self.custom else out
 
     @classmethod
     def from_list(cls, v: Sequence) -> "Candidate":
         """The inverse of :meth:`as_list` (a 3-long quantization entry of older states too)."""
         v = list(v) + [0.0, 0] * (len(v) == 3)
-        return cls(Family(v[0]), int(v[1]), int(v[2]), float(v[3]), int(v[4]))
+        custom, params = (str(v[5]), tuple(tuple(p) for p in v[6])) if len(v) > 5 else ("", ())
+        return cls(Family(v[0]), int(v[1]), int(v[2]), float(v[3]), int(v[4]), custom, params)
 
 
-def parse_families(families) -> tuple[Family, ...]:
-    """Family names (or :class:`Family` members) -> a tuple; errors name the allowed values."""
+def _family(f) -> "Family | str | None":
+    """A family name -> its :class:`Family`, a registered family's name, or None."""
+    if isinstance(f, Family):
+        return f
+    if configs.offered(str(f)) is not None:
+        return str(f)
+    try:
+        return Family(str(f).strip().lower())
+    except ValueError:
+        return None
+
+
+def parse_families(families) -> tuple:
+    """Family names (or :class:`Family` members) -> a tuple of :class:`Family` members and
+    registered families' names; errors name the allowed values."""
     if isinstance(families, (str, Family)):
         families = (families,)
     out = []
     for f in families:
-        try:
-            fam = f if isinstance(f, Family) else Family(str(f).strip().lower())
-        except ValueError:
-            fam = None
-        if fam not in CHOOSABLE:
-            allowed = ", ".join(m.value for m in CHOOSABLE)
+        fam = _family(f)
+        if fam not in CHOOSABLE and not isinstance(fam, str):
+            allowed = ", ".join([m.value for m in CHOOSABLE] + list(configs.offered_names()))
             raise ValueError(f"unknown compressor family {f!r}; expected one of: {allowed}")
         out.append(fam)
     if not out:
@@ -161,6 +204,8 @@ def candidates_for(shape: Sequence[int], families: Sequence[Family],
             if int(r) <= min(n, m) and int(r) * (n + m) < n * m:
                 out.append(Candidate(Family.POWERSGD, rank=int(r)))
     out += [Candidate(f) for f in CASTS if f in families]
+    for name in (f for f in families if isinstance(f, str)):  # registered families
+        out += [Candidate.of(name, **kw) for kw in configs.offered(name).auto_levels(shape)]
     return out
 
 
@@ -188,7 +233,7 @@ def offered_families(families: Sequence[str], error_feedback: bool,
     adaptive optimizer they are not offered beside quantization either. Named alone
     (``families=("topk",)``), they are still offered.
     """
-    fams = [Family(f) for f in families]
+    fams = [_family(f) for f in families]
     if (not error_feedback or adaptive) and Family.QUANTIZE in fams:
         fams = [f for f in fams if f not in (Family.TOPK, Family.POWERSGD)]
     return fams

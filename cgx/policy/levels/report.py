@@ -20,7 +20,7 @@ def rows(s) -> list[dict]:
         c = s.plan[i]
         numel = math.prod(shape)
         row = {"layer": n, "shape": shape,
-               "family": "exact" if c is None else c.family.value,
+               "family": "exact" if c is None else c.family_name,
                "level": "exact (not planned)" if c is None else
                "exact (planner: no time saved)" if n in s.hidden else c.label,
                "bytes": 4 * numel if c is None else c.wire_bytes(shape),

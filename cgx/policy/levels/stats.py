@@ -289,6 +289,14 @@ def candidate_errors(grad: torch.Tensor, candidates: Sequence[Candidate], *,
                              f"got {lowrank!r}")
         for i, e in zip(low, lowrank):
             out[i] = e
+    for i, c in enumerate(candidates):
+        if c.custom:  # a registered family: its own round trip, on a sample of the values
+            values, scale = value_sample(flat, key, sample_values)
+            v, comp = values.float(), c.compressor()
+            payload, ctx = comp.compress(v.clone())
+            err = float(torch.linalg.vector_norm(
+                comp.decompress(payload, ctx).float().reshape(-1) - v))
+            out[i] = err * scale ** 0.5 if math.isfinite(err) else math.inf
     quant = [i for i, c in enumerate(candidates) if c.family is Family.QUANTIZE]
     casts = [i for i, c in enumerate(candidates) if c.family in CAST_DTYPES]
     if not (quant or casts):
