@@ -217,6 +217,7 @@ def _write(args, argv, results: list) -> None:
     command = "python benchmarks/allreduce.py " + " ".join(argv if argv is not None
                                                            else sys.argv[1:])
     md = _markdown(rows, command.strip())
+    from benchmarks.outputs import save
     save(args.out, {"command": command, "results": results, "rows": rows}, md)
     _plot(rows, args.out + ".png")
     print(f"wrote {args.out}.json, .md, .png")
@@ -235,7 +236,6 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     from benchmarks.netsim import NetnsUnavailable
-    from benchmarks.outputs import save
 
     bar = progress(total=len(rates) * len(sizes), desc="allreduce", unit="point")
     try:
