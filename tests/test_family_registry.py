@@ -5,6 +5,7 @@ offered to ``Compression.auto`` by its name, chosen, and reduced as it says."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -164,7 +165,7 @@ def _auto_run(rank: int, world: int, via: str) -> dict:
         if via == "optimizer":
             opt.synchronize()
         reduced = {n: p.grad.clone() for n, p in model.named_parameters()}
-        with opt.skip_synchronize() if via == "optimizer" else _nothing():
+        with opt.skip_synchronize() if via == "optimizer" else contextlib.nullcontext():
             opt.step()
     local = []
     for r in range(world):  # every rank's own gradient of the last step
@@ -178,31 +179,24 @@ def _auto_run(rank: int, world: int, via: str) -> dict:
             "params": [p.detach().clone() for p in model.parameters()]}
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 @pytest.mark.multiproc
-@pytest.mark.parametrize("via", ["optimizer", "ddp-hook"])
-def test_auto_chooses_the_registered_family_and_reduces_it_as_it_says(via):
-    outs = run_gloo(_auto_run, 2, via)
+@pytest.mark.parametrize("world,via", [(2, "optimizer"), (2, "ddp-hook"), (3, "optimizer")])
+def test_auto_chooses_the_registered_family_and_reduces_it_as_it_says(world, via):
+    outs = run_gloo(_auto_run, world, via)
     rows = outs[0]["rows"]
-    assert rows == outs[1]["rows"]  # one plan on every rank
+    assert all(o["rows"] == rows for o in outs)  # one plan on every rank
     toy = [(layer, level) for layer, family, level in rows if family == "test-block-mean"]
     assert toy, rows  # auto offered the toy family and chose it where its bytes are fewest
     assert all(level.startswith("test-block-mean(block=") for _, level in toy)
-    for p, q in zip(outs[0]["params"], outs[1]["params"]):
-        assert torch.equal(p, q)
+    for o in outs[1:]:
+        for p, q in zip(outs[0]["params"], o["params"]):
+            assert torch.equal(p, q)
     if via != "optimizer":
         return  # the hook's buckets name their tensors by bucket: the optimizer's by layer
     for layer, level in toy:
         block = int(level.split("=")[1].rstrip(")"))
         expected = sum(BlockMean(block).decompress(*BlockMean(block).compress(g[layer]))
-                       for g in outs[0]["local"]) / 2
+                       for g in outs[0]["local"]) / world
         torch.testing.assert_close(outs[0]["reduced"][layer], expected, rtol=0, atol=1e-6)
 
 

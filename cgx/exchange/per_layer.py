@@ -141,7 +141,6 @@ class Auto(Mode):
         self.powersgd = PowerSGDCompressor(min_compression_rate=0.0,
                                            error_feedback=cfg.error_feedback)
         self.casts = {f: FusedCast(f) for f in CASTS}
-        self.registered: dict = {}  # a registered family's level -> its compressor
         self.planned = _planner_for(self.adaptive, compression, self.names, shapes,
                                     base) if compression.planner or deciding else None
         # objective="time": trials of whole plans decide what travels (cgx.policy.trials)
@@ -236,10 +235,7 @@ class Auto(Mode):
         levels = list(dict.fromkeys(c for c in chosen if c is not None and c.custom))
         for c in levels:
             ks = [k for k, ck in enumerate(chosen) if ck == c]
-            comp = self.registered.get(c)
-            if comp is None:
-                comp = self.registered[c] = c.compressor()
-            reduce_family(self.cfg, red, comp, [call.work[k] for k in ks],
+            reduce_family(self.cfg, red, c.compressor(), [call.work[k] for k in ks],
                           [call.names[k] for k in ks])
 
     def _reduce_family(self, red, family: Family, ws: list, names: list, chosen: list,

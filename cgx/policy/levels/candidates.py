@@ -23,6 +23,7 @@ budget is measured against (:func:`default_candidate`) are decided here too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -70,12 +71,9 @@ class Candidate:
         return cls(Family.SUMMABLE, custom=name, params=tuple(sorted(params.items())))
 
     def compressor(self):
-        """A registered family's compressor at this level (see :meth:`of`)."""
-        cls = configs.offered(self.custom)
-        if cls is None:
-            raise ValueError(f"compression family {self.custom!r} is not registered with "
-                             "levels (cgx.compression.configs.register, auto_levels)")
-        return cls(**dict(self.params))
+        """A registered family's compressor at this level (see :meth:`of`), made once per
+        level: summable families keep no state, so the schedule and the exchange share it."""
+        return _registered_compressor(self.custom, self.params)
 
     @property
     def family_name(self) -> str:
@@ -138,6 +136,15 @@ class Candidate:
         v = list(v) + [0.0, 0] * (len(v) == 3)
         custom, params = (str(v[5]), tuple(tuple(p) for p in v[6])) if len(v) > 5 else ("", ())
         return cls(Family(v[0]), int(v[1]), int(v[2]), float(v[3]), int(v[4]), custom, params)
+
+
+@functools.lru_cache(maxsize=None)
+def _registered_compressor(name: str, params: tuple):
+    cls = configs.offered(name)
+    if cls is None:
+        raise ValueError(f"compression family {name!r} is not registered with levels "
+                         "(cgx.compression.configs.register, auto_levels)")
+    return cls(**dict(params))
 
 
 def _family(f) -> "Family | str | None":

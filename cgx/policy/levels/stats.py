@@ -289,10 +289,12 @@ def candidate_errors(grad: torch.Tensor, candidates: Sequence[Candidate], *,
                              f"got {lowrank!r}")
         for i, e in zip(low, lowrank):
             out[i] = e
-    for i, c in enumerate(candidates):
-        if c.custom:  # a registered family: its own round trip, on a sample of the values
-            values, scale = value_sample(flat, key, sample_values)
-            v, comp = values.float(), c.compressor()
+    own = [i for i, c in enumerate(candidates) if c.custom]
+    if own:  # registered families: each level's own round trip, on one sample of the values
+        values, scale = value_sample(flat, key, sample_values)
+        v = values.float()
+        for i in own:
+            comp = candidates[i].compressor()
             payload, ctx = comp.compress(v.clone())
             err = float(torch.linalg.vector_norm(
                 comp.decompress(payload, ctx).float().reshape(-1) - v))
