@@ -220,7 +220,12 @@ def _claim(store, rank, secret, keys, cfg, deadline) -> Optional[str]:
 
 
 def _wait(store, names, deadline, message) -> None:
-    while not store.check(names):
-        if time.monotonic() > deadline:
-            raise AdmissionError(message)
-        time.sleep(_POLL_S)
+    """The store's own wait for ``names``, until ``deadline``; AdmissionError after it."""
+    import datetime
+
+    from torch.distributed import DistStoreError
+    left = max(0.0, deadline - time.monotonic())
+    try:
+        store.wait(names, datetime.timedelta(seconds=left))
+    except DistStoreError as exc:  # the deadline passed
+        raise AdmissionError(message) from exc
