@@ -13,6 +13,8 @@
     pages, as the README's quick starts do in the guides, runs once);
   - not runnable (a fragment, a cluster launch, a GPU or a downloaded model needed): its
     first line says so where the reader sees it, ``# not run: <reason>``.
+* Every shell block (set-up, benchmark and GPU command lines) starts with
+  ``# not run: <reason>``, and the scripts and modules it names exist.
 """
 
 from __future__ import annotations
@@ -157,6 +159,40 @@ def test_every_python_block_runs_or_says_why_not():
         f"each ```python block is preceded by {RUNS!r} (runs here) or {RUNS_2!r} (runs "
         f"under cgxrun -np 2), or starts with '{NOT_RUN} <reason>', exactly one of them:\n"
         + "\n".join(wrong))
+
+
+def _shell_blocks():
+    """(page, first line, source) of every shell block (```bash, sh, shell, console)."""
+    for page in _pages():
+        for line, lang, src, _ in _blocks(page):
+            if lang in ("bash", "sh", "shell", "console"):
+                yield page, line, src
+
+
+def test_every_shell_block_says_why_it_is_not_run():
+    # the shell blocks are set-up, benchmark and GPU command lines: each says so visibly
+    wrong = [f"{_name(page)}:{line}" for page, line, src in _shell_blocks()
+             if _kinds(src, "") != ["not run"]]
+    assert not wrong, (f"each shell block starts with '{NOT_RUN} <reason>' (the commands "
+                       "there run in benchmarks, not in the tests):\n" + "\n".join(wrong))
+
+
+def test_shell_blocks_name_scripts_and_modules_that_exist():
+    missing = []
+    for page, line, src in _shell_blocks():
+        for path in re.findall(r"\b((?:benchmarks|scripts|examples)/[\w/.-]+\.(?:py|sh))", src):
+            if not (ROOT / path).exists():
+                missing.append(f"{_name(page)}:{line}: {path}")
+        for module in re.findall(r"python3? -m ([\w.]+)", src):
+            if importlib.util.find_spec(module.split(".")[0]) is None or (
+                    module.startswith(("cgx", "benchmarks")) and not _module_exists(module)):
+                missing.append(f"{_name(page)}:{line}: -m {module}")
+    assert not missing, "shell blocks name what does not exist:\n" + "\n".join(missing)
+
+
+def _module_exists(module: str) -> bool:
+    path = ROOT / module.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
 def test_runnable_blocks_run(tmp_path):
