@@ -35,7 +35,8 @@ from typing import Any, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.outputs import save  # noqa: E402
 
-ROUTES = ["compute", "cgx-optimizer", "cgx-ddp-hook", "lightning", "hf-trainer"]
+ROUTES = ["compute", "cgx-optimizer", "cgx-ddp-hook", "cgx-ddp-hook-view", "lightning",
+          "hf-trainer"]
 BASE = "cgx-optimizer"
 # the routes whose trainer makes the process group itself (the worker makes none for them)
 OWN_GROUP = {"lightning", "hf-trainer"}

@@ -48,7 +48,8 @@ from typing import Any, Optional
 
 from cgx.console import progress
 
-METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "cgx-ddp-hook", "cgx-optimizer",
+METHODS = ["compute", "ddp-fp32", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "cgx-ddp-hook",
+           "cgx-ddp-hook-view", "cgx-optimizer",
            "cgx-optimizer-8bit", "cgx-optimizer-sfb", "cgx-planned", "cgx-planned-sfb",
            "cgx-decide", "cgx-decide-sfb", "keras-compute", "keras-cgx", "keras-cgx-one-call", "keras-cgx-sfb",
            "keras-cgx-decide"]
@@ -220,7 +221,9 @@ def _ddp(model, method: str):
     # PyTorch's PowerSGD hook issues its collectives in a different order on
     # different ranks when several buckets are in flight (Gloo then fails with
     # "Received data size doesn't match expected size"); one bucket avoids it.
-    ddp = DDP(model, bucket_cap_mb=1024) if method == "ddp-powersgd" else DDP(model)
+    # -view: gradients are views of DDP's buckets (no copy from the buckets after the hook)
+    ddp = DDP(model, bucket_cap_mb=1024) if method == "ddp-powersgd" else \
+        DDP(model, gradient_as_bucket_view=method.endswith("-view"))
     counted = None
     if method in ("ddp-fp16", "ddp-bf16"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -233,7 +236,7 @@ def _ddp(model, method: str):
                                  start_powerSGD_iter=2, min_compression_rate=2,
                                  use_error_feedback=True, warm_start=True)
         ddp.register_comm_hook(state, ps.powerSGD_hook)
-    elif method == "cgx-ddp-hook":
+    elif method.startswith("cgx-ddp-hook"):
         import cgx.torch
         state = cgx.torch.CGXState(ddp, compression=_cgx_compression(cgx.torch, method, "short"))
         ddp.register_comm_hook(state, cgx.torch.cgx_hook)
@@ -250,7 +253,7 @@ def torch_method(method: str, x, y, trials: str = "short") -> TorchMethod:
     torch.manual_seed(0)
     model = vgg11()
     opt_model, counted = model, None
-    if method.startswith("ddp") or method == "cgx-ddp-hook":
+    if method.startswith(("ddp", "cgx-ddp-hook")):
         opt_model, counted = _ddp(model, method)
     opt = torch.optim.SGD(opt_model.parameters(), lr=0.01, momentum=0.9)
     if method.startswith(("cgx-optimizer", "cgx-planned", "cgx-decide")):

@@ -118,6 +118,8 @@ def main():
                         "ratio": ratio, "wire_bytes": stats.wire_bytes if stats else None,
                         "find_unused": getattr(trainer.model_wrapped, "find_unused_parameters",
                                                None),
+                        "bucket_view": getattr(trainer.model_wrapped,
+                                               "gradient_as_bucket_view", None),
                         "hooked": cgx_cb is not None and cgx_cb.state is not None,
                         "world": args.world_size}, a.out)
     if a.out:  # every rank's parameters, to see that the ranks agree

@@ -70,6 +70,11 @@ def make_module(L, cfg: TrainConfig):
                 torch.nn.Linear(cfg.hidden, cfg.hidden), torch.nn.ReLU(),
                 torch.nn.Linear(cfg.hidden, 10))
             self.losses: list[float] = []
+            self.bucket_view = None  # DDP's gradient_as_bucket_view, as the fit ran
+
+        def on_train_start(self):
+            self.bucket_view = getattr(self.trainer.strategy.model, "gradient_as_bucket_view",
+                                       None)
 
         def configure_model(self):
             # ModelParallelStrategy's hook: FSDP2 over the data-parallel mesh
@@ -180,7 +185,8 @@ def report(trainer, model, callbacks, cfg: TrainConfig) -> dict:
     if trainer.is_global_zero and cfg.out:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         torch.save({"params": params, "losses": model.losses, "figures": figures,
-                    "log_dir": trainer.logger.log_dir, "global_step": trainer.global_step},
+                    "log_dir": trainer.logger.log_dir, "global_step": trainer.global_step,
+                    "bucket_view": model.bucket_view},
                    Path(cfg.out) / f"{cfg.compression}.pt")
     return row
 

@@ -92,6 +92,8 @@ def test_trainer_exact_equals_plain_trainer_with_find_unused_parameters(tmp_path
                         "--attach", "callback")  # Trainer(callbacks=[CGXTrainerCallback()])
     assert exact["find_unused"] is True  # the Trainer's default for a PreTrainedModel
     assert exact["hooked"] and not plain["hooked"]
+    # the callback, given at construction, has DDP keep gradients as views of its buckets
+    assert exact["bucket_view"] is True and plain["bucket_view"] is False
     assert exact["wire_bytes"] > 0  # the hook did exchange
     assert max_diff(plain["params"], exact["params"]) <= 1e-6
     resumed = trainer_run(tmp_path, "plain-resumed", "--compression", "off", *SHORT,
@@ -104,6 +106,7 @@ def test_trainer_exact_equals_plain_trainer_with_find_unused_parameters(tmp_path
 @pytest.mark.multiproc
 def test_trainer_4_bits_compresses_logs_and_learns(tmp_path):
     run = trainer_run(tmp_path, "q4", "--compression", "q4", "--max-steps", "10")
+    assert run["bucket_view"] is True  # compress(trainer) too
     logged = [h for h in run["log_history"] if "loss" in h]
     print(f"\n4-bit Trainer: ratio {run['ratio']:.2f}x, "
           f"{logged[-1]['cgx/bytes_per_step']:.0f} bytes/step, "
@@ -266,6 +269,28 @@ def test_trainer_on_one_process_trains_without_cgx_and_says_so_once(tmp_path, ca
     assert len(said) == 1 and "cgx is off" in said[0].getMessage()
     assert callback.state is None and trainer.state.global_step == 2
     assert trainer.callback_handler.callbacks[0] is callback  # before the loggers
+
+
+def test_bucket_views_are_asked_for_unless_turned_off(tmp_path, monkeypatch):
+    """The DDP arguments the Trainer's Accelerator will build its DDP with (the multi-process
+    tests check the DDP module itself)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import cgx.integrations.huggingface as cgx_hf
+
+    def asked(trainer) -> bool:
+        return trainer.accelerator.ddp_handler.to_kwargs().get("gradient_as_bucket_view", False)
+
+    assert not asked(_tiny_trainer(tmp_path))  # the Trainer's own default
+    trainer = _tiny_trainer(tmp_path)
+    cgx_hf.compress(trainer)
+    assert asked(trainer)
+    trainer = _tiny_trainer(tmp_path)
+    cgx_hf.compress(trainer, gradient_as_bucket_view=False)
+    assert not asked(trainer)
+    # a callback given at construction asks when the construction ends
+    assert asked(_tiny_trainer(tmp_path, [cgx_hf.CGXTrainerCallback()]))
+    assert not asked(_tiny_trainer(
+        tmp_path, [cgx_hf.CGXTrainerCallback(gradient_as_bucket_view=False)]))
 
 
 def test_trainer_unsupported_set_ups_raise_clear_errors(tmp_path, monkeypatch):

@@ -63,6 +63,8 @@ def test_exact_compression_is_plain_lightning_ddp(ddp_runs):
     assert runs["exact"]["figures"]["route"] == "ddp"
     assert runs["exact"]["figures"]["wire_bytes"] > 0  # the exchange went through cgx
     assert _params_diff(runs["exact"], runs["plain"]) <= 1e-6
+    # the callback has DDP keep gradients as views of its buckets; plain DDP does not
+    assert runs["exact"]["bucket_view"] is True and runs["plain"]["bucket_view"] is False
 
 
 @pytest.mark.multiproc
@@ -167,6 +169,24 @@ def test_one_process_does_nothing_and_says_so(tmp_path):
         trainer.fit(Tiny(), data)
     assert cb.route == "none" and cb.state is None and cb.state_dict() == {}
     assert trainer.global_step == 2
+
+
+def test_bucket_views_unless_the_strategy_says_otherwise():
+    """What CGXCallback.setup leaves in DDPStrategy's DDP arguments (the fit's own DDP
+    module is checked by the multi-process tests)."""
+    import lightning as L
+    from cgx.integrations.lightning import CGXCallback
+
+    def after_setup(strategy, stage="fit") -> dict:
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False)
+        CGXCallback().setup(trainer, None, stage)
+        return trainer.strategy._ddp_kwargs
+
+    assert after_setup("ddp")["gradient_as_bucket_view"] is True
+    kept = after_setup(L.pytorch.strategies.DDPStrategy(gradient_as_bucket_view=False))
+    assert kept["gradient_as_bucket_view"] is False
+    assert "gradient_as_bucket_view" not in after_setup("ddp", stage="validate")
 
 
 def test_bad_arguments_and_states_are_clear_errors():

@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from cgx.torch.ddp import CGXState, cgx_hook
 
 __all__ = ["CGXTrainerCallback", "compress", "prepare", "RankStates", "checkpoint_file",
-           "log_figures"]
+           "keep_bucket_views", "log_figures"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +162,10 @@ class _TrainerLogic:
         config: a ``cgx.torch.Config`` (None: ``Config.from_env()``).
         rules: per-layer rules (dict, list or YAML path; see ``cgx.rules``).
         error_feedback: override the residuals' setting (see ``CGXState``).
+        gradient_as_bucket_view: build the Trainer's DDP with
+            ``gradient_as_bucket_view=True`` (the default; see :func:`keep_bucket_views`).
+            A callback given in ``Trainer(callbacks=...)`` does it when the Trainer's
+            construction ends; False keeps DDP's own default.
         trainer: the Trainer to serve (set by :func:`compress`); None: the Trainer that
             calls the callback, found when training begins.
 
@@ -171,8 +175,9 @@ class _TrainerLogic:
     """
 
     def __init__(self, compression=None, *, config=None, rules=None, error_feedback=None,
-                 trainer=None):
+                 gradient_as_bucket_view: bool = True, trainer=None):
         self.compression = compression
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.config = config
         self.rules = rules
         self.error_feedback = error_feedback
@@ -182,6 +187,14 @@ class _TrainerLogic:
         self._ddp: Optional[DDP] = None  # the module the hook is on (a 2nd train() reuses it)
         self._logged = (0, 0)  # (global step, wire bytes) at the last log
         self._said_single = False
+
+    # The Trainer calls on_init_end at the end of its construction: its Accelerator exists,
+    # the model is not wrapped yet.
+    def on_init_end(self, args, state, control, **kwargs):
+        if self.gradient_as_bucket_view:
+            trainer = self.trainer or next((t for _, t in _trainer_frames(self)), None)
+            if trainer is not None:
+                keep_bucket_views(trainer)
 
     # The Trainer calls on_train_begin after accelerator.prepare and model.zero_grad(),
     # before the first forward: the moment the DDP module exists and has not reduced yet.
@@ -244,6 +257,17 @@ class _TrainerLogic:
                              f"processes, this one has {args.world_size}: cgx's residuals are "
                              "per rank; resume on the same number of processes")
         self.state.load_state_dict(saved["cgx"])
+
+
+def keep_bucket_views(trainer) -> None:
+    """Have the DDP module ``trainer`` is about to build keep its gradients as views of its
+    buckets (``gradient_as_bucket_view=True`` in the Accelerator's DDP arguments): cgx's
+    hook reduces each bucket in place, so DDP then copies no bucket back into the gradients
+    (a copy of every gradient per step saved). Call it before ``train()``; a Trainer whose
+    Accelerator has no DDP arguments is left as it is."""
+    handler = getattr(getattr(trainer, "accelerator", None), "ddp_handler", None)
+    if handler is not None and hasattr(handler, "gradient_as_bucket_view"):
+        handler.gradient_as_bucket_view = True
 
 
 def _check_trainer(trainer) -> None:
@@ -327,11 +351,14 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def compress(trainer, compression=None, *, config=None, rules=None, error_feedback=None):
+def compress(trainer, compression=None, *, config=None, rules=None, error_feedback=None,
+             gradient_as_bucket_view: bool = True):
     """Put cgx on the DDP model a ``transformers.Trainer`` builds: call before ``train()``.
 
     Adds a ``CGXTrainerCallback`` bound to ``trainer`` as its first callback (so that the
-    loggers of ``report_to`` see cgx's figures). Every rank calls it.
+    loggers of ``report_to`` see cgx's figures), and (unless ``gradient_as_bucket_view``
+    is False) has the Trainer's DDP keep gradients as views of its buckets
+    (:func:`keep_bucket_views`). Every rank calls it.
 
     Args:
         trainer: the ``transformers.Trainer``.
@@ -340,6 +367,8 @@ def compress(trainer, compression=None, *, config=None, rules=None, error_feedba
         config: a ``cgx.torch.Config`` (None: ``Config.from_env()``).
         rules: per-layer rules (see ``cgx.rules``).
         error_feedback: override the residuals' setting (see ``CGXState``).
+        gradient_as_bucket_view: False keeps DDP's own default (gradients copied from
+            DDP's buckets after every exchange).
 
     Returns:
         The callback; its ``state`` is the rank's ``CGXState`` once training has begun.
@@ -361,8 +390,11 @@ def compress(trainer, compression=None, *, config=None, rules=None, error_feedba
                         "model)")
     _check_trainer(trainer)  # DeepSpeed and FSDP are known at construction: fail now
     callback = _callback_class()(compression, config=config, rules=rules,
-                                 error_feedback=error_feedback, trainer=trainer)
+                                 error_feedback=error_feedback,
+                                 gradient_as_bucket_view=gradient_as_bucket_view, trainer=trainer)
     trainer.callback_handler.callbacks.insert(0, callback)
+    if gradient_as_bucket_view:
+        keep_bucket_views(trainer)
     return callback
 
 

@@ -12,6 +12,12 @@ Example::
 With the standalone ``pytorch_lightning`` package, pass :class:`PLCGXCallback` instead
 (Lightning checks ``isinstance(cb, Callback)`` against its own package's class).
 
+What it does at ``setup`` (before Lightning wraps the model): under ``DDPStrategy``,
+DDP is built with ``gradient_as_bucket_view=True`` unless the strategy was given that
+argument: the gradients are then views of DDP's buckets, which cgx's hook reduces in
+place, so DDP copies no bucket back into the gradients (one copy of every gradient per
+step saved; ``DDPStrategy(gradient_as_bucket_view=False)`` keeps the copy).
+
 What it does at ``on_fit_start`` (before the first step, every rank):
 
 * ``strategy="ddp"`` (the model is a ``DistributedDataParallel``, on CPU or GPU):
@@ -93,6 +99,13 @@ class CGXCallbackImpl:
         return "CGXCallback"
 
     # -- Lightning hooks --------------------------------------------------------------
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """Before the strategy wraps the model (fit only): DDP keeps the gradients as views
+        of its buckets, unless ``DDPStrategy(gradient_as_bucket_view=...)`` says otherwise."""
+        kwargs = getattr(trainer.strategy, "_ddp_kwargs", None)  # DDPStrategy's DDP arguments
+        if stage == "fit" and isinstance(kwargs, dict):
+            kwargs.setdefault("gradient_as_bucket_view", True)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         """Attach cgx to the wrapped model, before the first backward.
