@@ -10,10 +10,12 @@ momentum 0.9, one thread per rank, 2 ranks, each in its own network namespace be
 
 Routes: ``compute`` (no communication: the floor), ``cgx-optimizer``
 (``cgx.torch.DistributedOptimizer``), ``cgx-ddp-hook`` (DDP with ``cgx_hook``, by hand),
+``cgx-ddp-hook-view`` (the same, DDP built with ``gradient_as_bucket_view=True``),
 ``lightning`` (``lightning.Trainer(strategy="ddp")`` with
 ``cgx.integrations.lightning.CGXCallback``) and ``hf-trainer`` (``transformers.Trainer``
 with ``cgx.integrations.huggingface.compress``; the Trainer's own DDP settings, its
-``find_unused_parameters=True`` included). A step is timed from the end of one optimizer
+``find_unused_parameters=True`` included). Both integrations build their DDP with
+``gradient_as_bucket_view=True``, as they do for their users. A step is timed from the end of one optimizer
 step to the end of the next, with no barrier in between (the trainers' own loops run as
 they do for their users: data loading, callbacks and logging included); each rank's mean
 over the timed steps, the slowest rank's reported. ``--rounds N`` runs every route N
@@ -77,7 +79,8 @@ def _compression():
 
 
 def _by_hand(route: str, steps: int, warmup: int, batch: int) -> dict[str, Any]:
-    """compute, cgx-optimizer, cgx-ddp-hook: benchmarks/training.py's methods, in a plain loop."""
+    """compute, cgx-optimizer, cgx-ddp-hook(-view): benchmarks/training.py's methods, in a
+    plain loop."""
     import torch.distributed as dist
 
     from benchmarks.training import torch_method
