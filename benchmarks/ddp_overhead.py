@@ -24,7 +24,7 @@ import socket
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.outputs import save  # noqa: E402
@@ -33,50 +33,20 @@ ROUTES = ["compute", "ddp-noop", "ddp-noop-view", "cgx-optimizer", "cgx-ddp-hook
           "cgx-ddp-hook-view"]
 
 
-def _noop_hook(state, bucket):
-    import torch
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
-def _ddp_noop(x, y, view: bool) -> Callable[[], None]:
-    import torch
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from benchmarks.training import vgg11
-    torch.manual_seed(0)
-    model = DDP(vgg11(), gradient_as_bucket_view=view)
-    model.register_comm_hook(None, _noop_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def step():
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return step
-
-
-def route_step(route: str, x, y) -> Callable[[], None]:
-    """One training step of ``route`` on the batch ``x, y``."""
-    if route.startswith("ddp-noop"):
-        return _ddp_noop(x, y, view=route.endswith("-view"))
-    from benchmarks.training import torch_method
-    return torch_method(route, x, y).step
-
-
 def rank_main(rank: int, world: int, port: int, routes: list, steps: int, warmup: int,
-              batch: int, out: dict) -> None:
-    """One rank: every route's per-step wall and CPU seconds (rank 0 fills ``out``)."""
+              batch: int) -> dict:
+    """One rank: every route's per-step wall and CPU seconds."""
     import torch
     import torch.distributed as dist
+
+    from benchmarks.training import torch_method
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    step = {r: route_step(r, x, y) for r in routes}
+    step = {r: torch_method(r, x, y).step for r in routes}
     times: dict = {r: {"wall_s": [], "cpu_s": []} for r in routes}
     for turn in range(warmup + steps):
         for r in routes:
@@ -86,17 +56,15 @@ def rank_main(rank: int, world: int, port: int, routes: list, steps: int, warmup
             if turn >= warmup:
                 times[r]["wall_s"].append(time.perf_counter() - t)
                 times[r]["cpu_s"].append(time.process_time() - c)
-    if rank == 0:
-        out.update(times)
     dist.barrier()
     dist.destroy_process_group()
+    return times
 
 
 def _worker(rank: int, world: int, port: int, args, queue) -> None:
-    out: dict = {}
-    rank_main(rank, world, port, args.routes, args.steps, args.warmup, args.batch, out)
+    times = rank_main(rank, world, port, args.routes, args.steps, args.warmup, args.batch)
     if rank == 0:
-        queue.put(out)
+        queue.put(times)
 
 
 def measure(args) -> dict:

@@ -214,6 +214,14 @@ class TorchMethod:
         return self.method.startswith(("cgx-decide", "cgx-planned"))
 
 
+def _noop_hook(state, bucket):
+    """A DDP comm hook that returns the bucket untouched."""
+    import torch
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def _ddp(model, method: str):
     """``model`` under DDP with ``method``'s communication hook (the DDP methods, cgx's hook)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -236,6 +244,8 @@ def _ddp(model, method: str):
                                  start_powerSGD_iter=2, min_compression_rate=2,
                                  use_error_feedback=True, warm_start=True)
         ddp.register_comm_hook(state, ps.powerSGD_hook)
+    elif method.startswith("ddp-noop"):  # DDP's own cost: a hook that sends nothing
+        ddp.register_comm_hook(None, _noop_hook)
     elif method.startswith("cgx-ddp-hook"):
         import cgx.torch
         state = cgx.torch.CGXState(ddp, compression=_cgx_compression(cgx.torch, method, "short"))

@@ -192,7 +192,7 @@ class _TrainerLogic:
     # the model is not wrapped yet.
     def on_init_end(self, args, state, control, **kwargs):
         if self.gradient_as_bucket_view:
-            trainer = self.trainer or next((t for _, t in _trainer_frames(self)), None)
+            trainer = self.trainer or _find_trainer(self)
             if trainer is not None:
                 keep_bucket_views(trainer)
 
@@ -304,9 +304,15 @@ def _trainer_frames(callback):
         frame = frame.f_back
 
 
+def _find_trainer(callback):
+    """The Trainer calling ``callback``, or None."""
+    return next((trainer for _, trainer in _trainer_frames(callback)), None)
+
+
 def _calling_trainer(callback):
     """The Trainer calling ``callback`` (a callback is handed the unwrapped model only)."""
-    for _, trainer in _trainer_frames(callback):
+    trainer = _find_trainer(callback)
+    if trainer is not None:
         callback.trainer = trainer  # for on_save's folder and later calls
         return trainer
     raise RuntimeError("CGXTrainerCallback could not find the Trainer that calls it; attach "

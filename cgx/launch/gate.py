@@ -33,6 +33,7 @@ Nothing here imports torch at module level.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import secrets as _random
@@ -221,10 +222,9 @@ def _claim(store, rank, secret, keys, cfg, deadline) -> Optional[str]:
 
 def _wait(store, names, deadline, message) -> None:
     """The store's own wait for ``names``, until ``deadline``; AdmissionError after it."""
-    import datetime
-
     from torch.distributed import DistStoreError
-    left = max(0.0, deadline - time.monotonic())
+    # at least 1 ms: a zero timeout is c10d's "no timeout" (HashStore then waits forever)
+    left = max(0.001, deadline - time.monotonic())
     try:
         store.wait(names, datetime.timedelta(seconds=left))
     except DistStoreError as exc:  # the deadline passed

@@ -73,7 +73,11 @@ class Candidate:
     def compressor(self):
         """A registered family's compressor at this level (see :meth:`of`), made once per
         level: summable families keep no state, so the schedule and the exchange share it."""
-        return _registered_compressor(self.custom, self.params)
+        cls = configs.offered(self.custom)
+        if cls is None:
+            raise ValueError(f"compression family {self.custom!r} is not registered with "
+                             "levels (cgx.compression.configs.register, auto_levels)")
+        return _compressor(cls, self.params)
 
     @property
     def family_name(self) -> str:
@@ -139,11 +143,9 @@ class Candidate:
 
 
 @functools.lru_cache(maxsize=None)
-def _registered_compressor(name: str, params: tuple):
-    cls = configs.offered(name)
-    if cls is None:
-        raise ValueError(f"compression family {name!r} is not registered with levels "
-                         "(cgx.compression.configs.register, auto_levels)")
+def _compressor(cls: type, params: tuple):
+    """One compressor per class and level (keyed by the class: a family registered anew
+    under the same name gets compressors of its new class)."""
     return cls(**dict(params))
 
 
