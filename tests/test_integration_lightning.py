@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,14 +25,25 @@ STEPS = 16  # two epochs of 8 steps; checkpoints at step 8 and 16
 TIMEOUT = 240
 
 
-def _launch(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+def _launch(tmp: Path, *args: str, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """One run of the example: Lightning starts the second process itself, or (``torchrun``)
+    torchrun starts both and its exit code is non-zero when any rank's is."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(var, None)  # a fresh job: Lightning starts the second process itself
-    return subprocess.run([sys.executable, str(EXAMPLE), "--max-steps", str(STEPS),
+        env.pop(var, None)  # a fresh job
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(_free_port())] \
+        if torchrun else [sys.executable]
+    return subprocess.run([*launcher, str(EXAMPLE), "--max-steps", str(STEPS),
                            "--log-dir", str(tmp / "logs"), "--out", str(tmp / "out"), *args],
                           cwd=tmp, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                           text=True, timeout=TIMEOUT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _ok(run: subprocess.CompletedProcess) -> str:
@@ -102,7 +114,9 @@ def test_resume_from_a_checkpoint_continues_exactly(ddp_runs):
         assert residuals and any(float(r.abs().sum()) > 0 for r in residuals.values())
     resumed_dir = tmp / "resumed"
     resumed_dir.mkdir()
-    _ok(_launch(resumed_dir, "--compression", "4bit-ef", "--ckpt-path", str(ckpt)))
+    # under torchrun: every rank's exit code counts (Lightning's own launcher reports rank 0's)
+    _ok(_launch(resumed_dir, "--compression", "4bit-ef", "--ckpt-path", str(ckpt),
+                torchrun=True))
     resumed = torch.load(resumed_dir / "out" / "4bit-ef.pt")
     assert resumed["global_step"] == STEPS and len(resumed["losses"]) == STEPS - 8
     assert resumed["losses"] == pytest.approx(runs["4bit-ef"]["losses"][8:], abs=1e-6)
