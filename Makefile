@@ -50,11 +50,12 @@ demo: install
 	$(VENV)/bin/cgxrun -np 2 $(PY) examples/demo.py
 
 # Two parts: most tests on TEST_WORKERS processes (pytest-xdist: a multi-rank test leaves
-# cores idle while its ranks wait on each other), then the `serial` ones alone (they assert
-# timing; tests/conftest.py lists them). Each part fails if it collects no test.
+# cores idle while its ranks wait on each other; an idle worker takes queued tests from a
+# busy one), then the `serial` ones alone (they assert timing; tests/conftest.py lists
+# them). Each part fails if it collects no test.
 TEST_WORKERS ?= 2
 test: install horovod
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not serial" $(PYTEST_ARGS)
 	$(PY) -m pytest -m serial $(PYTEST_ARGS)
 
 # Not part of `make test`: 4-6 hours on 2 cores (needs root for the simulated links).

@@ -52,14 +52,13 @@ def horovodrun() -> str:
 
 
 # Modules whose tests assert timing (overlap with backward, stall and drift detection,
-# measured link rates) or run the benchmarks: `make test` runs them alone, after the
-# parallel part (pytest-xdist), so that no neighbouring test takes their cores.
+# measured link rates): `make test` runs them alone, after the parallel part
+# (pytest-xdist), so that no neighbouring test takes their cores.
 SERIAL_MODULES = frozenset({
     "test_torch_optimizer.py", "test_sufficient_factors.py", "test_tensorflow_overlap.py",
     "test_netsim.py", "test_reliability.py", "test_reliability_keras.py",
-    "test_train_benchmark.py", "test_training_benchmark.py", "test_observability.py",
-    "test_planned_mode.py", "test_calibration.py", "test_auto_world.py",
-    "test_deciding_netsim.py", "test_deciding_mode.py",
+    "test_observability.py", "test_planned_mode.py", "test_calibration.py",
+    "test_auto_world.py", "test_deciding_netsim.py", "test_deciding_mode.py",
 })
 
 
@@ -67,3 +66,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
+    # Modules that start real ranks first, each module's tests kept together and in order:
+    # the workers (`make test` runs them with --dist worksteal) then end on short tests,
+    # not with one worker idle while the other runs a minute-long one.
+    multi = {item.path for item in items if item.get_closest_marker("multiproc")}
+    items.sort(key=lambda item: item.path not in multi)

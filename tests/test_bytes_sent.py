@@ -23,6 +23,8 @@ from cgx.config import ReductionType, Rounding
 from cgx.quant.codec import QuantSpec
 from spawn import run_gloo
 
+pytestmark = pytest.mark.multiproc
+
 ALGORITHMS = [ReductionType.SRA, ReductionType.RING, ReductionType.ALLGATHER]
 CHUNK_MB = 0.01  # CGX_PIPELINE_CHUNK_MB: several pipeline blocks even for small tensors
 BLOCK_NUMEL = int(CHUNK_MB * (1 << 20)) // 4  # the reducer's block at that setting

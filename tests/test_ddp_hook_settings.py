@@ -20,6 +20,8 @@ from cgx.comm.consistency import describe, signature
 import ddp_settings
 from spawn import free_port, run_gloo
 
+pytestmark = pytest.mark.multiproc
+
 
 def _both(rank, world, setting):
     return (ddp_settings.train(rank, world, setting, hook=False),
@@ -101,27 +103,77 @@ EXIT_SCRIPT = textwrap.dedent("""
 """)
 
 
+# Starts the ranks of each run from one process that has already imported what the
+# script imports (torch, DDP's torch._dynamo, cgx), so a run costs its training and its
+# exit, not two interpreters' 4 s of imports. Each rank is a fork that runs the script as
+# __main__ and then leaves through the interpreter's normal exit (SystemExit at top level:
+# atexit handlers, thread joins, module teardown, C++ static destructors), the path on
+# which the SIGABRT happened. Nothing the script builds (process group, DDP, cgx's engine
+# thread) exists before the fork.
+FORKING_LAUNCHER = textwrap.dedent("""
+    import os, socket, sys, runpy
+    import torch, torch.distributed, torch._dynamo
+    from torch.nn.parallel import DistributedDataParallel
+    import cgx.torch
+    script, runs, outdir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    for run in range(runs):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        pids = []
+        for rank in range(2):
+            pid = os.fork()
+            if pid == 0:
+                os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+                for fd, name in ((1, "out"), (2, "err")):
+                    path = os.path.join(outdir, f"run{run}-rank{rank}.{name}")
+                    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+                sys.argv = [script]
+                runpy.run_path(script, run_name="__main__")
+                raise SystemExit(0)
+            pids.append(pid)
+        codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        print(run, *codes, flush=True)
+""")
+
+
+def _check_exit(run, rank, code, out, err):
+    assert code == 0 and "trained" in out, \
+        f"run {run}, rank {rank}: exit code {code}\n{err[-3000:]}"
+    assert "terminate called" not in err, f"run {run}, rank {rank}:\n{err[-3000:]}"
+
+
 def test_a_script_without_shutdown_exits_cleanly_every_time(tmp_path):
     """20 runs of 2 ranks (no_sync and gradient_as_bucket_view, as in the runs that ended
     with SIGABRT after training): every rank exits 0 with nothing on its standard error
-    about terminate."""
-    script = tmp_path / "train.py"
+    about terminate. 4 runs start each rank as its own interpreter, as a user does; 16 fork
+    the ranks from FORKING_LAUNCHER."""
+    script, launcher = tmp_path / "train.py", tmp_path / "launch.py"
     script.write_text(EXIT_SCRIPT)
+    launcher.write_text(FORKING_LAUNCHER)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for run in range(20):
+    for run in range(4):
         port = str(free_port())
-        procs = []
-        for rank in range(2):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=port, LOCAL_RANK=str(rank), PYTHONPATH=repo)
-            procs.append(subprocess.Popen([sys.executable, str(script)], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          stdin=subprocess.DEVNULL, text=True))
+        procs = [subprocess.Popen(
+            [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL, text=True,
+            env=dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=port, LOCAL_RANK=str(rank), PYTHONPATH=repo))
+            for rank in range(2)]
         for rank, p in enumerate(procs):
             out, err = p.communicate(timeout=180)
-            assert p.returncode == 0 and "trained" in out, \
-                f"run {run}, rank {rank}: exit code {p.returncode}\n{err[-3000:]}"
-            assert "terminate called" not in err, f"run {run}, rank {rank}:\n{err[-3000:]}"
+            _check_exit(run, rank, p.returncode, out, err)
+    done = subprocess.run([sys.executable, str(launcher), str(script), "16", str(tmp_path)],
+                          env=dict(os.environ, PYTHONPATH=repo), capture_output=True,
+                          text=True, stdin=subprocess.DEVNULL, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    codes = [[int(c) for c in line.split()] for line in done.stdout.splitlines()]
+    assert [c[0] for c in codes] == list(range(16)), done.stdout
+    for run, *ranks in codes:
+        for rank, code in enumerate(ranks):
+            _check_exit(run, rank, code, (tmp_path / f"run{run}-rank{rank}.out").read_text(),
+                        (tmp_path / f"run{run}-rank{rank}.err").read_text())
 
 
 def _subgroup(rank, world):

@@ -195,6 +195,7 @@ def _module_exists(module: str) -> bool:
     return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
+@pytest.mark.multiproc
 def test_runnable_blocks_run(tmp_path):
     marked = [(p, line, src) for p, line, src, prev in _python_blocks() if prev == RUNS]
     assert marked, f"no block is marked {RUNS!r}"
@@ -213,6 +214,7 @@ def test_some_blocks_run_on_2_ranks():
     assert _marked(RUNS_2), f"no block is marked {RUNS_2!r}"
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("src,places", _marked(RUNS_2))
 def test_two_rank_blocks_run_under_cgxrun(tmp_path, src, places):
     if re.search(r"^import (keras|tensorflow)", src, re.M) and \

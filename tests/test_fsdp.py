@@ -14,6 +14,8 @@ import torch
 
 from spawn import run_gloo
 
+pytestmark = pytest.mark.multiproc
+
 # FSDP2 imports DTensor (sympy) and, at its first fully_shard, torch._dynamo: seconds per
 # rank. The server the ranks fork from imports them once (tests/spawn.py), as it does torch.
 

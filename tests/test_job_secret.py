@@ -221,6 +221,7 @@ def _reports(tmp_path: Path):
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
+@pytest.mark.multiproc
 def test_cgxrun_job_with_its_secret_trains_and_never_prints_it(tmp_path):
     rc, out, err = _finish(_start(tmp_path))
     assert rc == 0, err[-3000:]
@@ -241,6 +242,7 @@ def test_rank_with_a_wrong_secret_is_refused_and_nothing_hangs(tmp_path):
     assert time.monotonic() - t0 < 60  # the refusal stops the job; no start timeout waited
 
 
+@pytest.mark.multiproc
 def test_hostile_clients_on_the_store_do_not_stop_the_job(tmp_path):
     proc = _start(tmp_path, "after-hostile")
     try:

@@ -12,6 +12,8 @@ import pytest
 from distutil import TESTS_DIR, run_ranks
 from spawn import run_gloo
 
+pytestmark = pytest.mark.multiproc
+
 SCRIPT = str(TESTS_DIR / "side_by_side.py")
 MODULES = {"horovod.torch": "cgx.torch", "horovod.tensorflow": "cgx.tensorflow",
            "horovod.tensorflow.keras": "cgx.tensorflow.keras",

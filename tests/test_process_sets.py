@@ -9,6 +9,8 @@ import torch
 from distutil import TESTS_DIR, run_ranks
 from spawn import run_gloo
 
+pytestmark = pytest.mark.multiproc
+
 SCRIPT = str(TESTS_DIR / "side_by_side.py")
 
 

@@ -10,6 +10,8 @@ import torch
 
 from distutil import TESTS_DIR, run_ranks
 
+pytestmark = pytest.mark.multiproc
+
 SCRIPT = str(TESTS_DIR / "side_by_side.py")
 
 

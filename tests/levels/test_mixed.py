@@ -13,6 +13,8 @@ from cgx.compression.powersgd import PowerSGDCompressor, initial_q
 from cgx.compression.topk import TopKCompressor
 from spawn import run_gloo
 
+pytestmark = pytest.mark.multiproc
+
 ALL = [Family.QUANTIZE, Family.TOPK, Family.POWERSGD]
 
 
