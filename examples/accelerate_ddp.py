@@ -51,7 +51,10 @@ def main():
 
     import cgx.integrations.huggingface as cgx_hf
 
-    ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=a.find_unused)
+    # With cgx's hook, DDP's gradients as views of its buckets: DDP then copies no bucket
+    # back into the gradients after the hook (docs/huggingface.md).
+    ddp_kwargs = DistributedDataParallelKwargs(find_unused_parameters=a.find_unused,
+                                               gradient_as_bucket_view=a.compression != "off")
     accelerator = Accelerator(cpu=a.cpu, kwargs_handlers=[ddp_kwargs])
     rank, world = accelerator.process_index, accelerator.num_processes
     data = corpus_blocks(cfg.block, 256)
@@ -89,7 +92,9 @@ def main():
         params = {k: v.detach().cpu().clone() for k, v in
                   accelerator.unwrap_model(model).named_parameters()}
         torch.save({"params": params, "losses": losses, "figures": figures, "world": world,
-                    "cgx_saved": saved, "cgx_restored": restored}, f"{a.out}.rank{rank}")
+                    "cgx_saved": saved, "cgx_restored": restored,
+                    "bucket_view": getattr(model, "gradient_as_bucket_view", None)},
+                   f"{a.out}.rank{rank}")
 
 
 if __name__ == "__main__":

@@ -160,6 +160,9 @@ def test_accelerate_exact_equals_plain_accelerate(tmp_path):
     assert "cgx/bytes_per_step" in out and exact[0]["figures"]["cgx/bytes_per_step"] > 0
     for r in (0, 1):
         assert max_diff(plain[r]["params"], exact[r]["params"]) <= 1e-6
+        # the example passes DistributedDataParallelKwargs(gradient_as_bucket_view=True)
+        # with cgx, as docs/huggingface.md says to; plain Accelerate keeps DDP's default
+        assert exact[r]["bucket_view"] is True and plain[r]["bucket_view"] is False
 
 
 @pytest.mark.multiproc
