@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from cgx import console
 from cgx.comm import factory
 from cgx.config import Config, TransportKind
-from cgx.errors import NotInitializedError
+from cgx.errors import ConfigError, NotInitializedError
 from cgx.launch import exit_record
 from cgx.launch.rendezvous import exit_failing
 from cgx.launch.layout import adopt_group, layout_row, node_layout
@@ -133,8 +133,8 @@ def init(config: Optional[Config] = None, *,
             return
         config = _config_arg(config)
         kind, given = _resolve_transport_arg(transport, config)
-        world = discover()                                                   # 1. who am I
-        kind, conn = _connect(world, config, kind, given, device)           # 2. connect
+        world, store = _discover()                                           # 1. who am I
+        kind, conn = _connect(world, config, kind, given, device, store)    # 2. connect
         try:
             world, local, cross = _layout(world, conn.transport)             # 3. node layout
             if world.size > 1:  # 4. same settings everywhere (CGX_CHECK_CONSISTENCY too)
@@ -169,15 +169,31 @@ def _config_arg(config: Optional[Config]) -> Config:
     return config
 
 
-def _connect(world: WorldInfo, config: Config, kind: TransportKind, given, device):
-    """(engine, Connection): the caller's transport, or one made by the chosen engine."""
+def _discover() -> tuple[WorldInfo, object]:
+    """(this rank's world, the store to connect on): the launcher's world, or in an
+    elastic job (cgxrun --min-np) the next world of its rendezvous and that world's store."""
+    from cgx.elastic.membership import membership
+    member = membership()
+    if member is None:
+        return discover(), None
+    joined = member.join()
+    return joined.world, joined.store
+
+
+def _connect(world: WorldInfo, config: Config, kind: TransportKind, given, device,
+             store=None):
+    """(engine, Connection): the caller's transport, or one made by the chosen engine
+    (``store``: an elastic world's own, which only torch.distributed can use)."""
     if given is not None:
         return kind, factory.Connection(given)
     explicit = kind is not TransportKind.AUTO
+    if store is not None and explicit and kind is not TransportKind.TORCH:
+        raise ConfigError(f"an elastic job (cgxrun --min-np/--max-np) connects through "
+                          f"torch.distributed; unset CGX_TRANSPORT={kind.value} (or set torch)")
     if not explicit:
         kind = factory.auto_kind(world, config, lambda msg: _log(config, world, msg))
     if kind is TransportKind.TORCH:
-        return kind, factory.connect_torch(world, config, device, explicit, _inits)
+        return kind, factory.connect_torch(world, config, device, explicit, _inits, store)
     if kind is TransportKind.MPI:
         return kind, factory.connect_mpi(world, device)
     return kind, factory.connect_horovod(device)

@@ -112,8 +112,9 @@ def test_refusals_say_what_to_use_instead(module):
     for name in REFUSED[module]:
         with pytest.raises(NotImplementedError, match=r"not supported by cgx; .*\w"):
             getattr(mod, name)()
-    with pytest.raises(NotImplementedError, match="restart the job"):
-        mod.elastic.run(lambda state: None)
+    if module != "horovod.torch":  # torch's hvd.elastic is cgx.torch.elastic
+        with pytest.raises(NotImplementedError, match="restart the job"):
+            mod.elastic.run(lambda state: None)
 
 
 def test_docs_table_lists_every_name():

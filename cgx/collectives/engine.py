@@ -214,8 +214,13 @@ class Engine:
 
     def _explain(self, exc: BaseException, seq: int, label: str) -> BaseException:
         """A transport error, completed with what the progress board knows."""
-        if isinstance(exc, CGXError) or self._board is None:
+        if isinstance(exc, CGXError):
             return exc
+        if self._board is None:  # nothing to add; still a CGXError (Horovod's internal error)
+            err = CGXError(f"collective '{label}' failed on rank {self._rank}: "
+                           f"{type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+            return err
         # A dead peer's heartbeat goes stale within a few seconds: wait for it.
         # (Not after a timeout: the ranks that kept us waiting are known already.)
         deadline = time.monotonic() + STALE_S + HEARTBEAT_S

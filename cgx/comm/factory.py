@@ -80,11 +80,12 @@ def torch_device_backend(world: WorldInfo, cfg: Config, device) -> tuple["torch.
     return _local_cuda(world), "nccl"
 
 def connect_torch(world: WorldInfo, cfg: Config, device, explicit: bool,
-                  generation: int) -> Connection:
+                  generation: int, store=None) -> Connection:
     """A TorchTransport on the user's process group, or on one cgx creates.
 
     ``generation`` counts the completed inits: it names this init's rendezvous key
-    (the same on every rank).
+    (the same on every rank). ``store``: an elastic world's own store (each world
+    has a fresh one, so its keys need no generation).
     """
     import torch
     import torch.distributed as dist
@@ -110,7 +111,10 @@ def connect_torch(world: WorldInfo, cfg: Config, device, explicit: bool,
         torch.cuda.set_device(dev)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
     address = None
-    if world.launcher is Launcher.TORCHRUN and world.master_addr is not None:
+    if store is not None:
+        store.set_timeout(timeout)
+        generation = 0  # ranks that joined later count their inits differently
+    elif world.launcher is Launcher.TORCHRUN and world.master_addr is not None:
         # torchrun's env:// store (its agent's when TORCHELASTIC_USE_AGENT_STORE is set),
         # as init_method="env://" would open it.
         store, _, _ = next(dist.rendezvous("env://", rank=world.rank, world_size=world.size,

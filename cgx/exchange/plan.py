@@ -196,6 +196,12 @@ class GradientPlan:
         a sufficient-factor layer's exchange (which may come first, or alone)."""
         self.reduction.begin_step(step, red)
 
+    def world_changed(self, step: int) -> None:
+        """The ranks changed (an elastic job): auto measures its layers' errors and decides
+        again from ``step``, since plans timed on the old world say nothing of the new."""
+        if self.adaptive is not None:
+            self.adaptive.replan_soon(step)
+
     def compression_plan(self) -> list[dict]:
         """Per gradient: layer, shape, family, level, bytes, error, share of the error budget
         (``cgx.policy.levels.format_levels`` prints it). Outside AUTO mode: the fixed specs."""

@@ -61,6 +61,11 @@ def is_local_host(host: str) -> bool:
     """True if ``host`` (name or address) is this machine."""
     if host in ("localhost", "127.0.0.1", "::1"):
         return True
+    try:
+        if ipaddress.ip_address(host).is_loopback:  # 127.x.y.z: this machine
+            return True
+    except ValueError:
+        pass  # a name
     me = socket.gethostname()
     if host in (me, me.split(".")[0], socket.getfqdn()):
         return True

@@ -47,6 +47,7 @@ mpirun) exit with code 2 and a message that says what to change.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import shutil
@@ -120,6 +121,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tag-output", dest="tag_output", action="store_false",
                    help="do not prefix each output line with its rank (default: "
                         "'[<rank>]<stdout>:', as horovodrun and mpirun --tag-output)")
+    el = p.add_argument_group(
+        "elastic jobs", "ranks may be lost and join while the job runs (hvd.elastic; "
+        "docs/elastic.md). Any of these flags makes the job elastic; ranks start on this "
+        "machine only")
+    el.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, metavar="M",
+                    help="fewest ranks the job trains with (default: -np)")
+    el.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, metavar="K",
+                    help="most ranks the job trains with (default: -np)")
+    el.add_argument("--host-discovery-script", metavar="SCRIPT",
+                    help="an executable that prints the available hosts, HOST or HOST:SLOTS "
+                         "per line; run every second")
+    el.add_argument("--reset-limit", type=int, metavar="N",
+                    help="stop the job after N changes of world (default: no limit)")
+    el.add_argument("--blacklist-cooldown-range", type=float, nargs=2, metavar=("MIN", "MAX"),
+                    help="a failed rank's host takes ranks again after a random MIN..MAX "
+                         "seconds (default: never)")
     p.add_argument("--dry-run", action="store_true",
                    help="print what would be run, and exit")
     p.add_argument("--help-env", action="store_true",
@@ -193,6 +210,9 @@ def spec_from_namespace(ns: argparse.Namespace) -> RunSpec:
                    node_rank=ns.node_rank, master_port=ns.master_port,
                    mpi_args=tuple(shlex.split(ns.mpi_args or "")), dry_run=ns.dry_run,
                    tag_output=ns.tag_output, output_filename=ns.output_filename)
+    elastic = _elastic_spec(ns, mode)
+    if elastic is not None:
+        spec = dataclasses.replace(spec, elastic=elastic)
     if ns.node_rank is not None:
         if mode == "mpi":
             raise UsageError("--node-rank is for --gloo runs on several hosts; with --mpi, "
@@ -202,6 +222,31 @@ def spec_from_namespace(ns: argparse.Namespace) -> RunSpec:
             raise UsageError(f"--node-rank {ns.node_rank} is out of range: -np {ns.num_proc} "
                              f"-H {ns.hosts or 'localhost'} uses {nodes} host(s), so 0.."
                              f"{nodes - 1}")
+    return spec
+
+
+def _elastic_spec(ns: argparse.Namespace, mode: str):
+    """The elastic flags as an :class:`~cgx.launch.elastic.ElasticSpec` (None: not elastic)."""
+    given = (ns.min_np, ns.max_np, ns.host_discovery_script, ns.reset_limit,
+             ns.blacklist_cooldown_range)
+    if all(v is None for v in given):
+        return None
+    from cgx.launch.elastic import ElasticSpec, check
+    if mode == "mpi":
+        raise UsageError("elastic jobs (--min-np/--max-np/--host-discovery-script) start "
+                         "their ranks themselves; drop --mpi")
+    if ns.host_discovery_script is not None and ns.hosts is not None:
+        raise UsageError("give either -H or --host-discovery-script, not both")
+    if ns.host_discovery_script is not None and not os.access(ns.host_discovery_script,
+                                                              os.X_OK):
+        raise UsageError(f"--host-discovery-script {ns.host_discovery_script!r} is not an "
+                         f"executable file; chmod +x it or give its full path")
+    cool = ns.blacklist_cooldown_range
+    spec = ElasticSpec(min_np=ns.min_np if ns.min_np is not None else ns.num_proc,
+                       max_np=ns.max_np if ns.max_np is not None else ns.num_proc,
+                       discovery_script=ns.host_discovery_script, reset_limit=ns.reset_limit,
+                       cooldown=None if cool is None else (cool[0], cool[1]))
+    check(spec, ns.num_proc)
     return spec
 
 
@@ -251,7 +296,7 @@ def secret_env(spec: RunSpec, base: Mapping[str, str], say) -> dict[str, str]:
     if base.get(SECRET_VAR):
         return {}  # the ranks inherit it; Config.from_env has checked its form
     hosts = spec.assignment()
-    if spec.mode == "gloo" and spec.hosts and (len(hosts) > 1 or
+    if spec.elastic is None and spec.mode == "gloo" and spec.hosts and (len(hosts) > 1 or
                                                not is_local_host(hosts[0][0])):
         say(f"several hosts: export the same {SECRET_VAR} on every host (e.g. "
             f"{SECRET_VAR}=$(python -c 'import secrets; print(secrets.token_hex(32))')) so "
@@ -316,6 +361,8 @@ def _launch(spec: RunSpec) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_program(spec.command, env)
+    if spec.elastic is not None:
+        return _launch_elastic(spec, env, say)
     if spec.mode == "mpi":
         mpirun = shutil.which("mpirun", path=env.get("PATH"))
         if mpirun is None:
@@ -346,6 +393,17 @@ def _launch(spec: RunSpec) -> int:
         return 0
     os.environ.update(extra)  # torch.distributed.run's workers inherit cgxrun's environment
     return run_torchrun(args)
+
+
+def _launch_elastic(spec: RunSpec, env: Mapping[str, str], say) -> int:
+    from cgx.launch.elastic import run_elastic
+    if spec.dry_run or spec.verbose:
+        say(f"elastic job: -np {spec.num_proc} --min-np {spec.elastic.min_np} --max-np "
+            f"{spec.elastic.max_np}: {_fmt({}, spec.command)}")
+    if spec.dry_run:
+        return 0
+    return run_elastic(spec.num_proc, spec.command, env, spec.elastic, spec.hosts,
+                       spec.start_timeout, say)
 
 
 def sys_argv_for(spec: RunSpec) -> list[str]:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from cgx.launch.elastic import ElasticSpec
 
 DEFAULT_MASTER_PORT = 29500
 USAGE_EXIT = 2
@@ -38,6 +41,7 @@ class RunSpec:
     dry_run: bool = False
     tag_output: bool = True  # prefix each line with its rank ("[1]<stdout>:")
     output_filename: Optional[str] = None  # per-rank logs: DIR/rank.<r>/{stdout,stderr}
+    elastic: Optional["ElasticSpec"] = None  # --min-np/--max-np/--host-discovery-script
 
     def assignment(self) -> list[tuple[str, int]]:
         """(host, ranks) per host: ``-H`` slots filled in order up to ``num_proc``."""

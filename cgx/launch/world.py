@@ -52,6 +52,7 @@ class Launcher(enum.Enum):
     MPICH = "mpich"  # MPICH / Intel MPI Hydra (mpiexec)
     SLURM = "slurm"  # srun without an MPI launcher in between
     SINGLE = "single"  # no launcher: a world of one process
+    ELASTIC = "elastic"  # cgxrun --min-np/--max-np: each world from cgx.elastic's rendezvous
 
 
 @dataclasses.dataclass(frozen=True)

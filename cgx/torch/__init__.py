@@ -38,12 +38,13 @@ from cgx.torch.ops import (allgather, allgather_async, allreduce, allreduce_, al
                            grouped_reducescatter, grouped_reducescatter_async, join, poll,
                            reducescatter, reducescatter_async, sparse_allreduce_async,
                            synchronize)
-from cgx.torch.compat import HorovodInternalError, check_extension, compression, elastic
+from cgx.torch.compat import HorovodInternalError, check_extension, compression
 from cgx.torch.optimizer import DistributedOptimizer
 from cgx.torch.diloco import DiLoCo
 from cgx.diloco import OuterSGD
 from cgx.torch.sync_batch_norm import SyncBatchNorm
 from cgx.torch.tensorboard import StatsLogger
+from cgx.torch import elastic  # noqa: E402 - hvd.elastic (needs the names above)
 
 
 

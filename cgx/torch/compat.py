@@ -8,8 +8,6 @@ installed Horovod; docs/horovod.md has the table).
 
 from __future__ import annotations
 
-import types
-
 from cgx import compression  # noqa: F401 - horovod.torch.compression
 from cgx.errors import CGXError
 
@@ -28,11 +26,3 @@ def refuse(what: str, instead: str):
     fn.__name__ = what.split("(")[0].split(".")[-1]
     fn.__doc__ = f"Not supported by cgx: {instead}"
     return fn
-
-
-elastic = types.ModuleType("cgx.torch.elastic", "Horovod elastic training: not supported.")
-for _name in ("run", "TorchState", "ObjectState", "State", "SamplerStateHandler",
-              "ElasticSampler"):
-    setattr(elastic, _name, refuse(
-        f"hvd.elastic.{_name}", "cgx jobs have a fixed set of ranks: checkpoint with "
-        "optimizer.state_dict() and restart the job (cgxrun) to change the world size"))

@@ -300,6 +300,28 @@ class DistributedOptimizer(PlanViews, WrappedOptimizer):
         if "_hooks" in self.__dict__:  # not while torch.optim.Optimizer builds us
             self._setup()
 
+    # -- elastic jobs (cgx.torch.elastic) -------------------------------------------------
+
+    def discard_step(self) -> None:
+        """Forget the step in flight (its collectives failed: a rank was lost)."""
+        with self._lock:
+            self._exchange.reset()
+
+    def world_changed(self) -> None:
+        """The job's world changed (``cgx.torch.elastic``): the exchange is laid out again
+        on the new world, the plan's state (residuals, levels) carries over, and what was
+        measured on the old world is measured again."""
+        with self._lock:
+            self._exchange.reset()
+            self._setup()
+            self._plan.world_changed(self._step_count)
+
+    def owed_residual(self) -> float:
+        """What this rank's error feedback still owes: the sum of absolute values of its
+        residuals over every tensor (0.0 without error feedback)."""
+        owed = (self._plan.residual(n) for n in self._plan.names)
+        return float(sum(float(r.abs().sum()) for r in owed if r is not None))
+
     def state_dict(self) -> dict:
         """The wrapped optimizer's state plus cgx's (residuals, compressor state, step count)."""
         sd = self._optimizer.state_dict()

@@ -1,0 +1,226 @@
+"""cgx.elastic without processes: the launcher's variables, the state's commit/sync
+rules, the run loop's decisions, the sampler, and cgxrun's elastic flags and errors.
+The real multi-rank runs (a killed rank, a joining host) are in test_elastic_training.py."""
+
+from __future__ import annotations
+
+import stat
+import sys
+
+import pytest
+
+from cgx.elastic import HostsUpdatedInterrupt, ObjectState, ResetLimitError, run_fn
+from cgx.elastic import run as run_mod
+from cgx.elastic.env import ElasticEnv
+from cgx.elastic.state import member_id
+from cgx.errors import CGXError, CollectiveMismatchError, ConfigError
+from cgx.launch import cli
+from cgx.launch.elastic import ElasticSpec, check, parse_discovery
+from cgx.launch.spec import Host, UsageError
+
+
+# -- the launcher's variables ---------------------------------------------------------------
+
+def test_elastic_env_round_trip_and_absent():
+    spec = ElasticEnv(addr="127.0.0.1", port=4242, run_id="job", min_np=2, max_np=5,
+                      reset_limit=3, host="127.0.0.2", timeout_s=30)
+    assert ElasticEnv.from_env(spec.as_env()) == spec
+    assert ElasticEnv.from_env({}) is None
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"CGX_ELASTIC_STORE": "nohostport"}, "HOST:PORT"),
+    ({"CGX_ELASTIC_STORE": "h:1", "CGX_ELASTIC_MIN_NP": "0"}, "CGX_ELASTIC_MIN_NP"),
+    ({"CGX_ELASTIC_STORE": "h:1", "CGX_ELASTIC_MIN_NP": "3", "CGX_ELASTIC_MAX_NP": "2"},
+     "below"),
+    ({"CGX_ELASTIC_STORE": "h:1", "CGX_ELASTIC_RESET_LIMIT": "x"}, "RESET_LIMIT"),
+])
+def test_elastic_env_errors_name_the_variable(env, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ElasticEnv.from_env(env)
+
+
+# -- state: commit, sync from the senior rank, what lost ranks owed ---------------------------
+
+class _World:
+    """A fake world as one rank sees it: what the others answer to a gather."""
+
+    def __init__(self, rank=0, others=()):
+        self.rank, self.others, self.sent = rank, list(others), []
+
+    def bcast(self, obj, root):
+        self.sent.append(root)
+        return self.root_value if hasattr(self, "root_value") else obj
+
+    def gather(self, obj):
+        rows = list(self.others)
+        rows.insert(self.rank, obj)
+        return rows
+
+
+def test_sync_sends_from_the_rank_with_most_commits():
+    w = _World(rank=0, others=[(7, "b:2"), (7, "c:3")])
+    st = ObjectState(w.bcast, lambda: w.rank, w.gather, epoch=0)  # a rank that just joined
+    st.sync()
+    assert w.sent[0] == 1  # rank 1: seven commits, the first of the two seniors
+    w = _World(rank=1, others=[(0, "a:1")])
+    st = ObjectState(w.bcast, lambda: w.rank, w.gather, epoch=0)
+    st.sync()
+    assert w.sent[0] == 0  # a tie (no commits anywhere yet, as at the start): the lowest rank
+
+
+def test_sync_counts_what_lost_ranks_owed_at_the_last_commit():
+    w = _World(rank=0, others=[(3, "b:2")])
+    st = ObjectState(w.bcast, lambda: 0, w.gather, step=1)
+    st.owed_at_commit = {member_id(): 0.5, "b:2": 1.0, "gone:9": 2.5}
+    st.sync()
+    assert (st.lost_ranks, st.dropped_owed) == (1, 2.5)
+    assert st.owed_at_commit == {}  # counted once
+
+
+def test_object_state_commit_and_restore_without_an_elastic_job(monkeypatch):
+    monkeypatch.delenv("CGX_ELASTIC_STORE", raising=False)
+    w = _World()
+    st = ObjectState(w.bcast, lambda: 0, w.gather, epoch=0, batch=0)
+    st.epoch, st.batch = 2, 7
+    st.commit()  # outside an elastic job: nothing to ask, no interrupt
+    st.batch = 9
+    st.restore()
+    assert (st.epoch, st.batch, st.commits) == (2, 7, 1)
+
+
+# -- the run loop ------------------------------------------------------------------------------
+
+class _Member:
+    def __init__(self, limit=None):
+        self.spec = ElasticEnv(addr="h", port=1, run_id="r", min_np=1, max_np=4,
+                               reset_limit=limit)
+
+
+class _Probe(ObjectState):
+    def __init__(self):
+        w = _World()
+        super().__init__(w.bcast, lambda: 0, w.gather, x=0)
+        self.calls = []
+
+    def restore(self):
+        self.calls.append("restore")
+        super().restore()
+
+    def on_reset(self):
+        self.calls.append("on_reset")
+
+
+def _loop(monkeypatch, outcomes, limit=None, elastic=True):
+    monkeypatch.setattr(run_mod, "membership", lambda: _Member(limit) if elastic else None)
+    resets = []
+    it = iter(outcomes)
+
+    def train(state):
+        out = next(it)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    fn = run_fn(train, lambda: resets.append(1), lambda: 0, lambda: 1)
+    return fn, resets
+
+
+def test_a_failed_collective_restores_resets_and_runs_again(monkeypatch, capsys):
+    fn, resets = _loop(monkeypatch, [CGXError("peer gone"), HostsUpdatedInterrupt(), "done"])
+    state = _Probe()
+    assert fn(state) == "done"
+    assert state.calls == ["restore", "on_reset", "on_reset"] and len(resets) == 2
+    assert "a collective failed (peer gone)" in capsys.readouterr().err
+
+
+def test_program_errors_and_non_elastic_jobs_are_raised(monkeypatch):
+    fn, resets = _loop(monkeypatch, [CollectiveMismatchError("ranks disagree")])
+    with pytest.raises(CollectiveMismatchError):
+        fn(_Probe())
+    fn, resets = _loop(monkeypatch, [CGXError("peer gone")], elastic=False)
+    with pytest.raises(CGXError, match="peer gone"):
+        fn(_Probe())
+    assert resets == []
+
+
+def test_the_reset_limit_stops_the_job(monkeypatch):
+    fn, resets = _loop(monkeypatch, [CGXError("a"), CGXError("b"), "never"], limit=1)
+    with pytest.raises(ResetLimitError, match="--reset-limit 1"):
+        fn(_Probe())
+    assert len(resets) == 1
+
+
+# -- the sampler -------------------------------------------------------------------------------
+
+def test_elastic_sampler_never_gives_out_processed_samples_again():
+    from cgx.torch.elastic import ElasticSampler
+    s = ElasticSampler(list(range(10)), shuffle=True, seed=3)
+    first = list(iter(s))
+    assert sorted(first) == list(range(10)) and len(s) == 10
+    s.record_batch(0, 4)
+    done = set(first[:4])
+    s.load_state_dict(s.state_dict())  # as after a sync: reshards what is left
+    rest = list(iter(s))
+    assert set(rest) == set(range(10)) - done and len(s) == 6
+    s.num_replicas, s.rank = 4, 3  # a world of 4: every rank gets as many samples
+    s.total_size = 8
+    shard = list(iter(s))
+    assert len(shard) == 2 and set(shard) <= set(range(10)) - done
+    s.set_epoch(1)
+    assert len(list(iter(s))) == 10 and s.processed_indices == set()
+
+
+# -- cgxrun's elastic flags --------------------------------------------------------------------
+
+def test_elastic_flags_parse_into_a_spec():
+    spec = cli.parse_args(["-np", "3", "--min-np", "2", "--max-np", "5", "--reset-limit", "4",
+                           "--blacklist-cooldown-range", "1", "9", "python", "t.py"])
+    assert spec.elastic == ElasticSpec(min_np=2, max_np=5, reset_limit=4, cooldown=(1.0, 9.0))
+    assert cli.parse_args(["-np", "2", "python", "t.py"]).elastic is None
+    assert cli.parse_args(["-np", "2", "--min-num-proc", "1", "p"]).elastic.max_np == 2
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["-np", "2", "--min-np", "3"], "--min-np 3 is above -np 2"),
+    (["-np", "3", "--max-np", "2"], "--max-np 2 is below -np 3"),
+    (["-np", "2", "--min-np", "1", "--mpi"], "drop --mpi"),
+    (["-np", "2", "--min-np", "1", "--reset-limit", "-1"], "--reset-limit -1"),
+    (["-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "5", "1"], "0 <= MIN <= MAX"),
+    (["-np", "2", "--min-np", "1", "-H", "localhost:2", "--host-discovery-script",
+      sys.executable], "not both"),
+])
+def test_bad_elastic_flags_are_usage_errors(argv, needle, capsys):
+    assert cli.main([*argv, sys.executable, "-c", "pass"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def _script(tmp_path, body: str) -> str:
+    path = tmp_path / "hosts.sh"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("echo broken >&2; exit 3", "exited with 3: broken"),
+    ("echo 'localhost:two'", "must be HOST or HOST:SLOTS"),
+    ("echo 'far-away-host-that-does-not-resolve.invalid:2'", "this machine only"),
+    ("echo localhost:1", "fewer than --min-np 2"),
+])
+def test_a_discovery_script_that_fails_or_prints_junk_stops_the_job_at_once(tmp_path, capsys,
+                                                                            body, needle):
+    script = _script(tmp_path, body)
+    code = cli.main(["-np", "2", "--min-np", "2", "--host-discovery-script", script,
+                     sys.executable, "-c", "pass"])
+    assert code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_discovery_lines_and_local_hosts():
+    assert parse_discovery("127.0.0.1:2\n\n127.0.0.9\nlocalhost:3\n", "s") == (
+        Host("127.0.0.1", 2), Host("127.0.0.9", 1), Host("localhost", 3))
+    with pytest.raises(UsageError, match="HOST or HOST:SLOTS"):
+        parse_discovery("a b:1", "s")
+    with pytest.raises(UsageError, match="--min-np 0"):
+        check(ElasticSpec(min_np=0, max_np=2), 2)
