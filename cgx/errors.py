@@ -10,6 +10,12 @@ class CGXError(RuntimeError):
     """Base class for runtime failures inside cgx (not user input)."""
 
 
+class CommunicationError(CGXError):
+    """A collective failed or did not finish: a rank is gone or a link broke (what
+    Horovod's elastic jobs catch as ``HorovodInternalError``; cgx's elastic jobs form a new
+    world on it, and on nothing else)."""
+
+
 class ConfigError(ValueError):
     """An environment variable or option holds a value cgx cannot use."""
 

@@ -133,8 +133,7 @@ def init(config: Optional[Config] = None, *,
             return
         config = _config_arg(config)
         kind, given = _resolve_transport_arg(transport, config)
-        world, store = _discover()                                           # 1. who am I
-        kind, conn = _connect(world, config, kind, given, device, store)    # 2. connect
+        world, kind, conn = _join(config, kind, given, device)             # 1-2. who, connect
         try:
             world, local, cross = _layout(world, conn.transport)             # 3. node layout
             if world.size > 1:  # 4. same settings everywhere (CGX_CHECK_CONSISTENCY too)
@@ -167,6 +166,25 @@ def _config_arg(config: Optional[Config]) -> Config:
         from cgx.rules import parse_rules
         parse_rules(config.layer_config)
     return config
+
+
+ELASTIC_TRIES = 5  # worlds an elastic rank tries to connect in before it gives up
+
+
+def _join(config: Config, kind: TransportKind, given, device):
+    """(world, engine, Connection). In an elastic job, a world whose groups cannot form (a
+    rank lost meanwhile) is left for the next one, ``ELASTIC_TRIES`` times at most."""
+    for attempt in range(1, ELASTIC_TRIES + 1):
+        world, store = _discover()
+        try:
+            kind_used, conn = _connect(world, config, kind, given, device, store)
+            return world, kind_used, conn
+        except RuntimeError as e:
+            if store is None or attempt == ELASTIC_TRIES:
+                raise
+            print(f"[cgx] elastic: the world of {world.size} did not form ({e}); joining the "
+                  f"next one", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
 
 
 def _discover() -> tuple[WorldInfo, object]:

@@ -24,6 +24,7 @@ _lock = threading.Lock()
 _atexit_registered = False
 _reducer: Optional[Reducer] = None
 _owner: Any = None  # the transport the reducer was built for
+_init_args: dict = {}  # the last init()'s arguments: an elastic job's next world uses them
 
 
 def init(config=None, *, transport=None, device=None, comm=None, process_sets=None) -> None:
@@ -35,16 +36,25 @@ def init(config=None, *, transport=None, device=None, comm=None, process_sets=No
         comm: Horovod's MPI communicator argument; accepted only as None or
             ``MPI.COMM_WORLD`` (cgx's world is the launcher's).
     """
-    global _atexit_registered
+    global _atexit_registered, _init_args
     if comm is not None:
         _check_comm(comm)
     runtime.init(config, transport=transport, device=device)
+    _init_args = {"config": config, "device": device, "process_sets": process_sets}
     if not _atexit_registered:
         # Registered after the runtime's own exit handler, so it runs first
         # (atexit is last-in first-out): the engine stops before the transport.
         atexit.register(close)
         _atexit_registered = True
     process_sets_.init_sets(process_sets, add_process_set)
+
+
+def reinit() -> None:
+    """Leave this world and join the next with the last :func:`init`'s arguments (an
+    elastic job's reset: the same config, device and process sets in every world)."""
+    args = dict(_init_args)
+    shutdown()
+    init(**args)
 
 
 def _check_comm(comm) -> None:
@@ -153,9 +163,16 @@ def reducer() -> Reducer:
                 local, cross = runtime.local_transport(), runtime.cross_transport()
             _reducer = Reducer(tr, cfg, local=local, cross=cross,
                                timeline=Timeline(cfg.timeline, runtime.rank()),
-                               board=runtime.progress_board())
+                               board=runtime.progress_board(), world_gone=_world_gone())
             _owner = tr
         return _reducer
+
+
+def _world_gone():
+    """An elastic job's probe of its world (None outside one): see Engine's world_gone."""
+    from cgx.elastic.membership import membership
+    member = membership() if runtime.world().launcher.value == "elastic" else None
+    return None if member is None else member.left
 
 
 def engine() -> Engine:

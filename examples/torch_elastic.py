@@ -26,6 +26,7 @@ import cgx.torch as hvd
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps")
     p.add_argument("--batch-size", type=int, default=16, help="per rank")
     p.add_argument("--lr", type=float, default=0.05, help="per rank: scaled by the world size")
     p.add_argument("--commit-every", type=int, default=5, help="batches between commits")
@@ -95,6 +96,8 @@ def main():
                     log.flush()
                 if state.step % args.commit_every == 0:
                     state.commit()
+                if state.step == args.max_steps:
+                    return loss.item()
                 time.sleep(args.step_sleep)
             state.sampler.set_epoch(state.epoch + 1)
             state.commit()

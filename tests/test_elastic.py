@@ -13,7 +13,7 @@ from cgx.elastic import HostsUpdatedInterrupt, ObjectState, ResetLimitError, run
 from cgx.elastic import run as run_mod
 from cgx.elastic.env import ElasticEnv
 from cgx.elastic.state import member_id
-from cgx.errors import CGXError, CollectiveMismatchError, ConfigError
+from cgx.errors import CGXError, CollectiveMismatchError, CommunicationError, ConfigError
 from cgx.launch import cli
 from cgx.launch.elastic import ElasticSpec, check, parse_discovery
 from cgx.launch.spec import Host, UsageError
@@ -95,6 +95,10 @@ class _Member:
     def __init__(self, limit=None):
         self.spec = ElasticEnv(addr="h", port=1, run_id="r", min_np=1, max_np=4,
                                reset_limit=limit)
+        self.round, self.closed = 0, False
+
+    def close(self):
+        self.closed = True
 
 
 class _Probe(ObjectState):
@@ -112,7 +116,8 @@ class _Probe(ObjectState):
 
 
 def _loop(monkeypatch, outcomes, limit=None, elastic=True):
-    monkeypatch.setattr(run_mod, "membership", lambda: _Member(limit) if elastic else None)
+    member = _Member(limit)
+    monkeypatch.setattr(run_mod, "membership", lambda: member if elastic else None)
     resets = []
     it = iter(outcomes)
 
@@ -122,33 +127,50 @@ def _loop(monkeypatch, outcomes, limit=None, elastic=True):
             raise out
         return out
 
-    fn = run_fn(train, lambda: resets.append(1), lambda: 0, lambda: 1)
-    return fn, resets
+    def reset():  # each new world is a new round of the rendezvous
+        resets.append(1)
+        member.round += 1
+
+    return run_fn(train, reset, lambda: 0, lambda: 1), resets, member
 
 
 def test_a_failed_collective_restores_resets_and_runs_again(monkeypatch, capsys):
-    fn, resets = _loop(monkeypatch, [CGXError("peer gone"), HostsUpdatedInterrupt(), "done"])
+    fn, resets, member = _loop(monkeypatch, [CommunicationError("peer gone"),
+                                             HostsUpdatedInterrupt(), "done"])
     state = _Probe()
     assert fn(state) == "done"
     assert state.calls == ["restore", "on_reset", "on_reset"] and len(resets) == 2
     assert "a collective failed (peer gone)" in capsys.readouterr().err
+    assert member.closed  # ranks still waiting to join are told the job is over
 
 
-def test_program_errors_and_non_elastic_jobs_are_raised(monkeypatch):
-    fn, resets = _loop(monkeypatch, [CollectiveMismatchError("ranks disagree")])
-    with pytest.raises(CollectiveMismatchError):
-        fn(_Probe())
-    fn, resets = _loop(monkeypatch, [CGXError("peer gone")], elastic=False)
-    with pytest.raises(CGXError, match="peer gone"):
+@pytest.mark.parametrize("error", [CollectiveMismatchError("ranks disagree"),
+                                   CGXError("zero_grad() while gradients are in flight")])
+def test_program_errors_are_raised_without_a_reset(monkeypatch, error):
+    fn, resets, _ = _loop(monkeypatch, [error])
+    with pytest.raises(type(error)):
         fn(_Probe())
     assert resets == []
 
 
-def test_the_reset_limit_stops_the_job(monkeypatch):
-    fn, resets = _loop(monkeypatch, [CGXError("a"), CGXError("b"), "never"], limit=1)
+def test_outside_an_elastic_job_a_failure_is_raised(monkeypatch):
+    fn, resets, _ = _loop(monkeypatch, [CommunicationError("peer gone")], elastic=False)
+    with pytest.raises(CommunicationError, match="peer gone"):
+        fn(_Probe())
+    assert resets == []
+
+
+def test_the_reset_limit_counts_the_rendezvous_rounds(monkeypatch):
+    fn, resets, member = _loop(monkeypatch, [CommunicationError("a"), CommunicationError("b"),
+                                             "never"], limit=1)
     with pytest.raises(ResetLimitError, match="--reset-limit 1"):
         fn(_Probe())
-    assert len(resets) == 1
+    assert len(resets) == 2 and member.round == 2
+    # a rank that joins a world past the limit stops at once
+    fn, resets, member2 = _loop(monkeypatch, ["never"], limit=1)
+    member2.round = 5
+    with pytest.raises(ResetLimitError):
+        fn(_Probe())
 
 
 # -- the sampler -------------------------------------------------------------------------------
@@ -224,3 +246,53 @@ def test_discovery_lines_and_local_hosts():
         parse_discovery("a b:1", "s")
     with pytest.raises(UsageError, match="--min-np 0"):
         check(ElasticSpec(min_np=0, max_np=2), 2)
+
+
+# -- what the torch state keeps -----------------------------------------------------------------
+
+def test_a_second_failure_before_the_next_commit_rolls_back_to_the_same_commit():
+    import torch
+
+    from cgx.torch.elastic import OptimizerStateHandler
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+
+    def step():
+        opt.zero_grad()
+        (p * p).sum().backward()
+        opt.step()
+
+    step()
+    handler = OptimizerStateHandler(opt)  # the commit
+    committed = opt.state_dict()["state"][0]["momentum_buffer"].clone()
+    for _ in range(2):  # fail, restore, train on, fail again
+        step()
+        handler.restore()
+        assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], committed)
+
+
+def test_a_new_world_is_joined_with_the_first_inits_settings(monkeypatch):
+    import cgx
+    from cgx import session
+    monkeypatch.delenv("CGX_ELASTIC_STORE", raising=False)
+    cfg = cgx.Config.from_env().replace(fusion_buffer_mb=3.0)
+    session.shutdown()
+    session.init(config=cfg)
+    try:
+        session.reinit()
+        assert cgx.runtime.config() == cfg
+    finally:
+        session.shutdown()
+
+
+def test_the_recovery_benchmark_reads_its_logs_into_figures():
+    from benchmarks import elastic_recovery as bench
+    rows = [{"t": 10.0 + i, "loss": 10.0 if i < 40 else 0.01} for i in range(100)]
+    assert bench._to_target(rows, 10.0, 0.05, window=30) == 69.0  # 30 low losses in a row
+    assert bench._to_target(rows, 10.0, 0.001) is None
+    args = type("A", (), {"batch": 8, "steps": 400, "every": 100, "target": 0.05})()
+    md = bench.table([{"run": "elastic", "exit": 0, "wall_s": 10.0, "to_target_s": 8.0,
+                       "kills_at_s": []},
+                      {"run": "elastic-kill", "exit": 0, "wall_s": 16.0, "to_target_s": 14.0,
+                       "kills_at_s": [1.0, 2.0, 3.0]}], args)
+    assert "| elastic-kill | 0 | 16.0 | 14.0 | 3 | 2.0 | 2.0 |" in md

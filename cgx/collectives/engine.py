@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from cgx.comm.progress import HEARTBEAT_S, STALE_S, describe_missing
-from cgx.errors import CGXError, CollectiveMismatchError
+from cgx.errors import CGXError, CollectiveMismatchError, CommunicationError
 
 JOIN_FAILED_S = 5.0  # at shutdown, how long to wait for a worker stuck in a dead collective
 
@@ -66,7 +66,7 @@ class Handle:
             CGXError: when ``timeout`` seconds pass first (the engine is then failed).
         """
         if not self._event.wait(timeout):
-            err = CGXError(f"collective '{self.name}' did not finish within {timeout} s; a rank "
+            err = CommunicationError(f"collective '{self.name}' did not finish within {timeout} s; a rank "
                            "may have died or issued different collectives (raise CGX_TIMEOUT_S "
                            "if the job is just slow)")
             if self._engine is not None:
@@ -98,6 +98,9 @@ def _is_clean(exc: BaseException) -> bool:
     return isinstance(exc, (ValueError, TypeError))
 
 
+WORLD_CHECK_S = 1.0  # a submission running this long asks whether its world still stands
+
+
 class Engine:
     """One worker thread running submitted callables FIFO, and its watchdog.
 
@@ -108,15 +111,19 @@ class Engine:
         timeout_s: fail the engine when one submission runs this long (None: never).
         rank: this rank, for messages.
         timeline: records queue and run times per submission (optional).
+        world_gone: ``fn() -> reason or None``: asked while a submission has run
+            ``WORLD_CHECK_S``; a reason fails the engine at once (an elastic world that
+            ranks have left, so the collective can only wait for Gloo's timeout).
     """
 
     def __init__(self, device: Optional[torch.device] = None, *, board=None,
                  stall_warning_s: float = 0.0, timeout_s: Optional[float] = None,
-                 rank: int = 0, timeline=None):
+                 rank: int = 0, timeline=None, world_gone=None):
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._device = device
         self._failed: Optional[BaseException] = None
         self._board = board
+        self._world_gone = world_gone
         self._stall_s = float(stall_warning_s)
         self._timeout_s = timeout_s
         self._rank = rank
@@ -132,7 +139,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="cgx-engine", daemon=True)
         self._thread.start()
         self._watchdog: Optional[threading.Thread] = None
-        if board is not None or stall_warning_s or timeout_s:
+        if board is not None or stall_warning_s or timeout_s or world_gone is not None:
             self._watchdog = threading.Thread(target=self._watch, name="cgx-watchdog",
                                               daemon=True)
             self._watchdog.start()
@@ -161,8 +168,10 @@ class Engine:
         if self._failed is not None:
             # After a failed collective the ranks' sequences have diverged; refusing
             # further work turns a later hang into this clear error.
-            raise CGXError(f"cgx cannot communicate any more: an earlier collective failed "
-                           f"({self._failed})") from self._failed
+            kind = CommunicationError if isinstance(self._failed, CommunicationError) \
+                else CGXError
+            raise kind(f"cgx cannot communicate any more: an earlier collective failed "
+                       f"({self._failed})") from self._failed
 
     def _fail(self, exc: BaseException) -> None:
         """Fail for good: remember the first error, fail every pending handle with it."""
@@ -216,9 +225,12 @@ class Engine:
         """A transport error, completed with what the progress board knows."""
         if isinstance(exc, CGXError):
             return exc
-        if self._board is None:  # nothing to add; still a CGXError (Horovod's internal error)
-            err = CGXError(f"collective '{label}' failed on rank {self._rank}: "
-                           f"{type(exc).__name__}: {exc}")
+        # The engines' own errors (Gloo, NCCL, MPI: RuntimeError) are failures to
+        # communicate; anything else is cgx's or the program's.
+        kind = CommunicationError if isinstance(exc, RuntimeError) else CGXError
+        if self._board is None:  # nothing to add
+            err = kind(f"collective '{label}' failed on rank {self._rank}: "
+                       f"{type(exc).__name__}: {exc}")
             err.__cause__ = exc
             return err
         # A dead peer's heartbeat goes stale within a few seconds: wait for it.
@@ -230,8 +242,8 @@ class Engine:
                 and time.monotonic() < deadline:
             time.sleep(0.5)
             why = describe_missing(self._board, seq, label)
-        err = CGXError(f"collective '{label}' failed on rank {self._rank}: "
-                       f"{type(exc).__name__}: {exc}; {why}")
+        err = kind(f"collective '{label}' failed on rank {self._rank}: "
+                   f"{type(exc).__name__}: {exc}; {why}")
         err.__cause__ = exc
         return err
 
@@ -252,9 +264,16 @@ class Engine:
                 continue
             seq, label, handle, start = current
             waited = time.perf_counter() - start
+            if self._world_gone is not None and waited > WORLD_CHECK_S:
+                reason = self._world_gone()
+                if reason:
+                    self._fail(CommunicationError(
+                        f"collective '{label}' (#{seq}) cannot finish on rank {self._rank}: "
+                        f"{reason}"))
+                    continue
             if self._timeout_s and waited > self._timeout_s:
                 why = describe_missing(self._board, seq, label)
-                self._fail(CGXError(
+                self._fail(CommunicationError(
                     f"collective '{label}' (#{seq}) did not finish within CGX_TIMEOUT_S="
                     f"{self._timeout_s:g} s on rank {self._rank}; {why}. Raise CGX_TIMEOUT_S "
                     "if the job is just slow"))

@@ -169,7 +169,7 @@ class Reducer:
 
     def __init__(self, transport: Transport, config: Optional[Config] = None, *,
                  local: Optional[Transport] = None, cross: Optional[Transport] = None,
-                 timeline: Optional[Timeline] = None, board=None):
+                 timeline: Optional[Timeline] = None, board=None, world_gone=None):
         self.transport = transport
         self.config = config or Config.from_env()
         self.local, self.cross = local, cross
@@ -186,6 +186,7 @@ class Reducer:
         self._totals_lock = threading.Lock()  # the engine adds, the training thread reads
         self._sent_before = self._sent()  # what the transports had sent before this reducer
         self.board = board
+        self.world_gone = world_gone  # (an elastic world's probe, cgx.elastic.membership)
         self._engine: Optional[Engine] = None
 
     @property
@@ -199,7 +200,8 @@ class Reducer:
             cfg = self.config
             self._engine = Engine(self.transport.device, board=self.board,
                                   stall_warning_s=cfg.stall_warning_s, timeout_s=cfg.timeout_s,
-                                  rank=self.transport.rank, timeline=self.timeline)
+                                  rank=self.transport.rank, timeline=self.timeline,
+                                  world_gone=self.world_gone)
         return self._engine
 
     # -- state ------------------------------------------------------------------

@@ -19,6 +19,8 @@ from cgx.launch.gate import gated_store
 from cgx.launch.rendezvous import install_mpi_abort_hook, make_store
 from cgx.launch.world import Launcher, WorldInfo
 
+ELASTIC_FORMING_S = 30.0  # how long an elastic world's process groups may take to form
+
 if TYPE_CHECKING:
     import torch
 
@@ -110,9 +112,13 @@ def connect_torch(world: WorldInfo, cfg: Config, device, explicit: bool,
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    address = None
+    address, forming = None, cfg
     if store is not None:
-        store.set_timeout(timeout)
+        # An elastic world's ranks are all alive when its round completes: one that dies
+        # while the groups form must not keep the others waiting CGX_TIMEOUT_S.
+        forming = cfg.replace(timeout_s=min(cfg.timeout_s, ELASTIC_FORMING_S),
+                              start_timeout_s=min(cfg.start_timeout_s, ELASTIC_FORMING_S))
+        store.set_timeout(datetime.timedelta(seconds=forming.timeout_s))
         generation = 0  # ranks that joined later count their inits differently
     elif world.launcher is Launcher.TORCHRUN and world.master_addr is not None:
         # torchrun's env:// store (its agent's when TORCHELASTIC_USE_AGENT_STORE is set),
@@ -126,12 +132,15 @@ def connect_torch(world: WorldInfo, cfg: Config, device, explicit: bool,
     # Only the ranks that prove they know CGX_JOB_SECRET get past this (none is checked
     # without one); the group is built on the store the gate hands back.
     scope = f"{generation}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    store = gated_store(store, world.rank, world.size, cfg, scope)
+    store = gated_store(store, world.rank, world.size, forming, scope)
     dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
-                            timeout=timeout)
+                            timeout=datetime.timedelta(seconds=forming.timeout_s))
     try:
-        return Connection(TorchTransport(_own_group(cfg), dev, owns_group=True,
-                                         timeout_s=cfg.timeout_s),
+        own = _own_group(forming)
+        if forming is not cfg:  # formed: collectives get the full CGX_TIMEOUT_S again
+            for group in (None, own):
+                dist.distributed_c10d._set_pg_timeout(timeout, group)
+        return Connection(TorchTransport(own, dev, owns_group=True, timeout_s=cfg.timeout_s),
                           owns_process_group=True, store_address=address)
     except BaseException:
         dist.destroy_process_group()
@@ -140,8 +149,8 @@ def connect_torch(world: WorldInfo, cfg: Config, device, explicit: bool,
 def make_board(world: WorldInfo, conn: Connection, generation: int, log):
     """A progress board on the job's rendezvous store, when there is one (else None)."""
     tr = conn.transport
-    if world.size == 1 or not tr.name.startswith("torch"):
-        return None
+    if world.size == 1 or not tr.name.startswith("torch") or world.launcher is Launcher.ELASTIC:
+        return None  # (an elastic world's ranks count their inits differently)
     addr = conn.store_address
     if addr is None and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
         addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))

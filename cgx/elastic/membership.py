@@ -29,14 +29,15 @@ import dataclasses
 import datetime
 import os
 import socket
+import sys
 from typing import Any, Optional
 
 from cgx.elastic.env import ElasticEnv
 from cgx.launch.world import Launcher, WorldInfo
 
-KEEP_ALIVE_S = 0.5  # a rank's heartbeat period (torch writes one every 0.5-1 s)
-KEEP_ALIVE_MISSES = 6  # periods without a heartbeat before a rank counts as dead (3 s)
-LAST_CALL_S = 0.5  # how long a round that could complete waits for more ranks
+KEEP_ALIVE_S = 0.25  # a rank's heartbeat period (torch writes one every 0.25-0.5 s)
+KEEP_ALIVE_MISSES = 6  # periods without a heartbeat before a rank counts as dead (1.5 s)
+LAST_CALL_S = 0.25  # how long a round that could complete waits for more ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +73,8 @@ class Membership:
             keep_alive_interval=KEEP_ALIVE_S,  # type: ignore[arg-type] - seconds, a float
             keep_alive_max_attempt=KEEP_ALIVE_MISSES)
         self.rounds = 0  # worlds this process has been part of
-        self._round: Optional[int] = None  # the rendezvous round of this process's world
+        self.round = 0  # the rendezvous round of this process's world (0: the first)
+        self._members: set = set()  # the world's nodes in the rendezvous
 
     def join(self) -> Round:
         """Wait for the next world (``spec.timeout_s`` at most) and take a place in it.
@@ -80,18 +82,35 @@ class Membership:
         Raises:
             CGXError: no world of ``min_np`` ranks formed in time, or the job ended.
         """
-        from torch.distributed.elastic.rendezvous.api import RendezvousError
+        from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError,
+                                                              RendezvousError)
 
-        from cgx.errors import CGXError
+        from cgx.errors import CGXError, CommunicationError
         try:
             info = self._handler.next_rendezvous()
+            for _ in range(5):  # a rank lost just as the round completed: torch's rendezvous
+                if 0 <= info.rank < info.world_size and info.world_size >= self.spec.min_np:
+                    break  # (then counts the world without it, on some ranks only)
+                info = self._handler.next_rendezvous()
+            else:
+                raise CommunicationError(
+                    f"the rendezvous gave rank {info.rank} of {info.world_size} five times "
+                    f"(--min-np {self.spec.min_np}): ranks keep failing as worlds form")
+        except RendezvousClosedError:
+            print(f"[cgx] elastic: the job has finished; this rank has no world to join",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(0) from None
         except RendezvousError as e:
             raise CGXError(
                 f"no world of at least {self.spec.min_np} ranks formed within "
-                f"{self.spec.timeout_s:g} s ({type(e).__name__}: {e}); start more ranks or "
-                f"lower cgxrun's --min-np") from e
+                f"{self.spec.timeout_s:g} s ({type(e).__name__}: {e}). A rank that joins waits "
+                f"for the others' next commit: commit more often or raise cgxrun's "
+                f"--start-timeout; a world short of ranks needs more slots or a lower "
+                f"--min-np") from e
         self.rounds += 1
-        self._round = self._state().round if self._state() is not None else None
+        state = self._state()
+        self.round = state.round if state is not None else self.rounds - 1
+        self._members = set(state.participants) if state is not None else set()
         return Round(world=_world(info.rank, info.world_size, self.spec), store=info.store)
 
     def waiting(self) -> int:
@@ -104,9 +123,27 @@ class Membership:
         if self.waiting():
             return True
         state = self._state()
-        if state is None or self._round is None:
+        if state is None:
             return False
-        return state.round != self._round or self._handler._this_node not in state.participants
+        return state.round != self.round or self._handler._this_node not in state.participants
+
+    def left(self) -> Optional[str]:
+        """Why this process's world cannot go on (None: it stands): a rank of it left the
+        rendezvous (it failed a collective and is forming the next world, or it died and
+        its heartbeats stopped). Read from the store; any thread."""
+        try:
+            self.waiting()  # syncs the state (under the handler's lock)
+        except Exception:  # noqa: BLE001 - the driver's store gone: the job is ending
+            return None
+        state = self._state()
+        if state is None:
+            return None
+        if state.round != self.round:
+            return "the job's rendezvous has formed a new world without this one"
+        gone = self._members - set(state.participants)
+        if gone:
+            return f"{len(gone)} rank(s) of this world left it (a rank failed or died)"
+        return None
 
     def _state(self):
         """The handler's last synced rendezvous state (None where torch has no such field)."""
@@ -115,7 +152,10 @@ class Membership:
 
     def close(self) -> None:
         """The job is over: no more worlds (ranks still waiting are told so)."""
-        self._handler.shutdown()
+        try:
+            self._handler.shutdown()
+        except Exception:  # noqa: BLE001 - the driver's store may be gone already
+            pass
 
 
 _membership: Optional[Membership] = None

@@ -9,10 +9,14 @@ The loop (Horovod's semantics)::
     reset: leave the world, join the next one (cgx.elastic.membership), then the
     state's reset callbacks; and again from the top
 
-A failure is a :class:`~cgx.errors.CGXError` from a collective. Errors that say the
-program itself is wrong (ranks disagree on a collective, cgx not initialized) are not
-failures of a machine and are raised, as is any error outside an elastic job
-(``cgxrun --min-np/--max-np``), where there is no next world to join.
+A failure is a :class:`~cgx.errors.CommunicationError`: a collective that failed or did
+not finish. Every other error (a wrong program, ranks that disagree on a collective) is
+raised, as is any error outside an elastic job (``cgxrun --min-np/--max-np``), where
+there is no next world to join. When the function returns, the job's rendezvous is
+closed: a rank still waiting to join is told the job is over.
+
+``cgxrun --reset-limit N`` counts the rendezvous' rounds, which every rank of a world
+sees alike (a rank that joined late included): the world that would be round N+1 stops.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from typing import Callable
 
 from cgx.elastic.membership import membership
 from cgx.elastic.state import HostsUpdatedInterrupt
-from cgx.errors import CGXError, CollectiveMismatchError, NotInitializedError
+from cgx.errors import CGXError, CommunicationError
+
+RESET_TRIES = 5  # attempts at forming the next world when ranks keep failing meanwhile
 
 
 class ResetLimitError(CGXError):
@@ -33,8 +39,7 @@ class ResetLimitError(CGXError):
 
 def is_failure(exc: BaseException) -> bool:
     """Did a collective fail (a rank gone, a link broken), as opposed to a wrong program?"""
-    return isinstance(exc, CGXError) and not isinstance(
-        exc, (CollectiveMismatchError, NotInitializedError, ResetLimitError))
+    return isinstance(exc, CommunicationError)
 
 
 def run_fn(func: Callable, reset: Callable[[], None], rank: Callable[[], int],
@@ -43,11 +48,11 @@ def run_fn(func: Callable, reset: Callable[[], None], rank: Callable[[], int],
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        resets = 0
         while True:
+            _check_limit("")
             try:
                 state.sync()
-                return func(state, *args, **kwargs)
+                out = func(state, *args, **kwargs)
             except HostsUpdatedInterrupt:
                 why = "ranks are waiting to join"
             except CGXError as e:
@@ -56,19 +61,36 @@ def run_fn(func: Callable, reset: Callable[[], None], rank: Callable[[], int],
                 state.restore()
                 why = f"a collective failed ({_first_line(e)}); rolled back to commit " \
                       f"{state.commits}"
-            resets += 1
-            _reset(reset, state, resets, why, rank, size)
+            else:
+                if membership() is not None:
+                    membership().close()
+                return out
+            _reset(reset, state, why, rank, size)
 
     return wrapper
 
 
-def _reset(reset: Callable[[], None], state, resets: int, why: str, rank, size) -> None:
-    limit = membership().spec.reset_limit
-    if limit is not None and resets > limit:
-        raise ResetLimitError(f"the world changed {resets} times, more than cgxrun's "
-                              f"--reset-limit {limit}; the last change: {why}")
+def _check_limit(why: str) -> None:
+    member = membership()
+    limit = None if member is None else member.spec.reset_limit
+    if limit is not None and member.round > limit:
+        raise ResetLimitError(f"the world changed {member.round} times, more than cgxrun's "
+                              f"--reset-limit {limit}" + (f"; the last change: {why}"
+                                                          if why else ""))
+
+
+def _reset(reset: Callable[[], None], state, why: str, rank, size) -> None:
     start, old = time.perf_counter(), (rank(), size())
-    reset()
+    for attempt in range(1, RESET_TRIES + 1):
+        try:
+            reset()
+            break
+        except RuntimeError as e:  # a rank lost while the world formed: form it again
+            if attempt == RESET_TRIES or (isinstance(e, CGXError) and not is_failure(e)):
+                raise
+            print(f"[cgx] elastic: forming the next world failed ({_first_line(e)}); "
+                  f"trying again", file=sys.stderr, flush=True)
+    _check_limit(why)
     state.on_reset()
     print(f"[cgx rank {rank()}] elastic: {why}; rank {old[0]} of {old[1]} is now rank "
           f"{rank()} of {size()} (new world in {time.perf_counter() - start:.1f} s)",

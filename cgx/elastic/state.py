@@ -4,7 +4,7 @@
 functions (``cgx.torch.elastic`` builds ``TorchState`` and ``ObjectState`` on it).
 
 * ``commit()`` saves a copy of the state in host memory, then checks whether ranks are
-  waiting to join (every rank sees the same answer: rank 0's); if so it raises
+  waiting to join (every rank sees the same answer: any rank's); if so it raises
   :class:`HostsUpdatedInterrupt` on every rank at that commit.
 * ``restore()`` puts back the last commit (after a failed collective).
 * ``sync()`` makes every rank's state the *senior* rank's: the rank that has committed
@@ -90,15 +90,15 @@ class State:
         """Raise :class:`HostsUpdatedInterrupt`, on every rank alike, if ranks wait to join
         (or the rendezvous moved on without this world: ``Membership.changed``).
 
-        One gather carries rank 0's answer and every rank's :meth:`owed`, kept as
-        :attr:`owed_at_commit`: what a rank lost later owed when it was last seen."""
+        One gather carries every rank's answer (a rank dropped from the rendezvous sees it
+        itself) and every rank's :meth:`owed`, kept as :attr:`owed_at_commit`: what a rank
+        lost later owed when it was last seen."""
         member = membership()
         if member is None or self._allgather_object is None:
             return
-        changed = member.changed() if self._rank() == 0 else False
-        rows = self._allgather_object((member_id(), self.owed(), changed))
+        rows = self._allgather_object((member_id(), self.owed(), member.changed()))
         self.owed_at_commit = {m: owed for m, owed, _ in rows}
-        if rows[0][2]:
+        if any(changed for _, _, changed in rows):
             raise HostsUpdatedInterrupt()
 
     def owed(self) -> float:
@@ -120,6 +120,7 @@ class State:
         self.owed_at_commit = {}
         self.sync_from(root)
         self.commits = self._bcast_object(self.commits, root)
+        self.save()  # what a failure before the next commit rolls back to: what was synced
 
     def sync_from(self, root: int) -> None:
         """Make every rank's state ``root``'s."""

@@ -235,6 +235,9 @@ def _elastic_spec(ns: argparse.Namespace, mode: str):
     if mode == "mpi":
         raise UsageError("elastic jobs (--min-np/--max-np/--host-discovery-script) start "
                          "their ranks themselves; drop --mpi")
+    if ns.output_filename is not None:
+        raise UsageError("--output-filename is not supported in elastic jobs yet (their ranks "
+                         "come and go); redirect each rank's output in the program instead")
     if ns.host_discovery_script is not None and ns.hosts is not None:
         raise UsageError("give either -H or --host-discovery-script, not both")
     if ns.host_discovery_script is not None and not os.access(ns.host_discovery_script,

@@ -54,17 +54,11 @@ def _bcast(obj, root: int):
     return broadcast_object(obj, root_rank=root)
 
 
-def _reset() -> None:
-    """Leave this world, join the next (cgx.elastic.membership)."""
-    session.shutdown()
-    session.init()
-
-
 def run(func):
     """Horovod's ``@hvd.elastic.run``: call ``func(state, ...)`` until it returns; after a
     failed collective roll back to the last commit, and after any change of world sync
     the state from the senior rank (:mod:`cgx.elastic.run`)."""
-    return run_fn(func, _reset, runtime.rank, runtime.size)
+    return run_fn(func, session.reinit, runtime.rank, runtime.size)
 
 
 class State(_State):
@@ -123,7 +117,7 @@ class OptimizerStateHandler(StateHandler):
 
     def restore(self) -> None:
         _discard_step(self.value)
-        self.value.load_state_dict(self._saved)
+        self.value.load_state_dict(copy.deepcopy(self._saved))  # the copy stays the commit
 
     def sync(self, root: int) -> None:
         broadcast_optimizer_state(self.value, root_rank=root)
@@ -204,7 +198,11 @@ class TorchState(ObjectState):
                   f"= {self.dropped_owed - before[1]:.4g})", file=sys.stderr, flush=True)
 
     def sync_from(self, root: int) -> None:
-        for h in self._handlers.values():
+        # Optimizers first: a rank with no optimizer state yet takes a zero-gradient step
+        # to make it (Horovod's way), which weight decay would leave in its parameters.
+        handlers = sorted(self._handlers.items(),
+                          key=lambda kv: not isinstance(kv[1], OptimizerStateHandler))
+        for _, h in handlers:
             h.sync(root)
         super().sync_from(root)
 

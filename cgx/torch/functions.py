@@ -138,7 +138,7 @@ def _create_state(optimizer, model=None) -> None:
 
 # State under these keys belongs to one rank (error-feedback residuals: what *this*
 # rank's compression dropped); broadcasting it would make every rank re-send rank 0's.
-PER_RANK_KEYS = ("residuals",)
+PER_RANK_KEYS = ("residuals", "owed")
 _PER_RANK = "__cgx_per_rank__"
 
 
