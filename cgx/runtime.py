@@ -190,7 +190,7 @@ def _join(config: Config, kind: TransportKind, given, device):
 def _discover() -> tuple[WorldInfo, object]:
     """(this rank's world, the store to connect on): the launcher's world, or in an
     elastic job (cgxrun --min-np) the next world of its rendezvous and that world's store."""
-    from cgx.elastic.membership import membership
+    from cgx.launch.membership import membership
     member = membership()
     if member is None:
         return discover(), None

@@ -170,7 +170,7 @@ def reducer() -> Reducer:
 
 def _world_gone():
     """An elastic job's probe of its world (None outside one): see Engine's world_gone."""
-    from cgx.elastic.membership import membership
+    from cgx.launch.membership import membership
     member = membership() if runtime.world().launcher.value == "elastic" else None
     return None if member is None else member.left
 

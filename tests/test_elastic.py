@@ -11,7 +11,7 @@ import pytest
 
 from cgx.elastic import HostsUpdatedInterrupt, ObjectState, ResetLimitError, run_fn
 from cgx.elastic import run as run_mod
-from cgx.elastic.env import ElasticEnv
+from cgx.launch.elastic_env import ElasticEnv
 from cgx.elastic.state import member_id
 from cgx.errors import CGXError, CollectiveMismatchError, CommunicationError, ConfigError
 from cgx.launch import cli

@@ -27,6 +27,7 @@ LAYERS = (
     ("collectives", ("cgx.collectives", "cgx.sufficient_factors")),
     ("runtime", ("cgx.runtime", "cgx.process_sets")),
     ("session", ("cgx.session", "cgx.capabilities")),
+    ("elastic", ("cgx.elastic",)),
     ("levels and planner", ("cgx.policy.update_rule", "cgx.policy.levels", "cgx.policy.planner")),
     ("trials", ("cgx.policy.trials",)),
     ("policy", ("cgx.policy",)),

@@ -186,7 +186,7 @@ class Reducer:
         self._totals_lock = threading.Lock()  # the engine adds, the training thread reads
         self._sent_before = self._sent()  # what the transports had sent before this reducer
         self.board = board
-        self.world_gone = world_gone  # (an elastic world's probe, cgx.elastic.membership)
+        self.world_gone = world_gone  # (an elastic world's probe, cgx.launch.membership)
         self._engine: Optional[Engine] = None
 
     @property

@@ -133,8 +133,12 @@ def connect_torch(world: WorldInfo, cfg: Config, device, explicit: bool,
     # without one); the group is built on the store the gate hands back.
     scope = f"{generation}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     store = gated_store(store, world.rank, world.size, forming, scope)
-    dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
-                            timeout=datetime.timedelta(seconds=forming.timeout_s))
+    try:
+        dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
+                                timeout=datetime.timedelta(seconds=forming.timeout_s))
+    except BaseException:
+        _forget_group_names()
+        raise
     try:
         own = _own_group(forming)
         if forming is not cfg:  # formed: collectives get the full CGX_TIMEOUT_S again
@@ -145,6 +149,16 @@ def connect_torch(world: WorldInfo, cfg: Config, device, explicit: bool,
     except BaseException:
         dist.destroy_process_group()
         raise
+
+def _forget_group_names() -> None:
+    """A default group that failed to form has still used up a group name (torch counts
+    them and resets the count only when a formed default group is destroyed): the next
+    attempt must name its groups as ranks starting afresh do, or their keys differ."""
+    import torch.distributed as dist
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and not dist.is_initialized() and hasattr(world, "group_count"):
+        world.group_count = 0
+
 
 def make_board(world: WorldInfo, conn: Connection, generation: int, log):
     """A progress board on the job's rendezvous store, when there is one (else None)."""

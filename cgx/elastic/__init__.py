@@ -5,8 +5,8 @@ Horovod's elastic API on torch.distributed.elastic's dynamic rendezvous
 ``state.commit()`` and the time to form a new world; they keep their processes and
 memory. Ranks started later join at the next commit and get the state by broadcast.
 
-* :mod:`cgx.elastic.env` -- what ``cgxrun``'s driver tells its ranks.
-* :mod:`cgx.elastic.membership` -- this process's place in the rendezvous; each round
+* :mod:`cgx.launch.elastic_env` -- what ``cgxrun``'s driver tells its ranks.
+* :mod:`cgx.launch.membership` -- this process's place in the rendezvous; each round
   a world with its own store.
 * :mod:`cgx.elastic.state` -- ``State``/``ObjectState``: commit, restore, sync from
   the senior rank, host updates.

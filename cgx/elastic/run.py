@@ -6,7 +6,7 @@ The loop (Horovod's semantics)::
     call func(state)
       a collective failed (a rank died)  -> state.restore(): back to the last commit
       HostsUpdatedInterrupt (ranks wait) -> nothing to undo (the commit just saved)
-    reset: leave the world, join the next one (cgx.elastic.membership), then the
+    reset: leave the world, join the next one (cgx.launch.membership), then the
     state's reset callbacks; and again from the top
 
 A failure is a :class:`~cgx.errors.CommunicationError`: a collective that failed or did
@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Callable
 
-from cgx.elastic.membership import membership
+from cgx.launch.membership import membership
 from cgx.elastic.state import HostsUpdatedInterrupt
 from cgx.errors import CGXError, CommunicationError
 

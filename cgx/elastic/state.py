@@ -24,7 +24,7 @@ import os
 import socket
 from typing import Callable, Iterable, Optional
 
-from cgx.elastic.membership import membership
+from cgx.launch.membership import membership
 
 
 def member_id() -> str:

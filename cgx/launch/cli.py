@@ -226,12 +226,13 @@ def spec_from_namespace(ns: argparse.Namespace) -> RunSpec:
 
 
 def _elastic_spec(ns: argparse.Namespace, mode: str):
-    """The elastic flags as an :class:`~cgx.launch.elastic.ElasticSpec` (None: not elastic)."""
+    """The elastic flags as an :class:`~cgx.launch.spec.ElasticSpec` (None: not elastic)."""
     given = (ns.min_np, ns.max_np, ns.host_discovery_script, ns.reset_limit,
              ns.blacklist_cooldown_range)
     if all(v is None for v in given):
         return None
-    from cgx.launch.elastic import ElasticSpec, check
+    from cgx.launch.elastic import check
+    from cgx.launch.spec import ElasticSpec
     if mode == "mpi":
         raise UsageError("elastic jobs (--min-np/--max-np/--host-discovery-script) start "
                          "their ranks themselves; drop --mpi")

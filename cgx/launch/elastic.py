@@ -5,7 +5,7 @@ this driver instead of torch.distributed.run. It
 
 * hosts the job's membership store (a torch.distributed ``TCPStore`` on 127.0.0.1)
   on which the ranks run torch.distributed.elastic's dynamic rendezvous
-  (:mod:`cgx.elastic.membership`): ranks form each world there themselves, so
+  (:mod:`cgx.launch.membership`): ranks form each world there themselves, so
   survivors keep their processes when a rank is lost;
 * starts N ranks on the hosts' slots, and later one more on every free slot while
   fewer than K run (a host that the discovery script adds, or a slot that a lost rank
@@ -39,23 +39,11 @@ import time
 from typing import Callable, Mapping, Optional, Sequence
 
 from cgx.launch.addresses import is_local_host
-from cgx.launch.spec import Host, UsageError
+from cgx.launch.spec import ElasticSpec, Host, UsageError
 
 POLL_S = 0.2
 DISCOVERY_PERIOD_S = 1.0
 DISCOVERY_TIMEOUT_S = 30.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ElasticSpec:
-    """The elastic part of a cgxrun command line."""
-
-    min_np: int
-    max_np: int
-    discovery_script: Optional[str] = None
-    reset_limit: Optional[int] = None
-    cooldown: Optional[tuple[float, float]] = None  # seconds; None: blacklisted for good
-    wait_s: float = 600.0  # how long fewer than min_np ranks may wait for slots
 
 
 def check(spec: ElasticSpec, num_proc: int) -> None:
@@ -171,7 +159,7 @@ class Driver:
     # -- ranks -------------------------------------------------------------------------
     def _start(self, host: str) -> None:
         env = dict(self.env)
-        from cgx.elastic.env import HOST_VAR
+        from cgx.launch.elastic_env import HOST_VAR
         env[HOST_VAR] = host
         proc = subprocess.Popen(self.command, env=env)
         self.ranks.append(_Rank(host, proc))
@@ -274,7 +262,7 @@ def run_elastic(num_proc: int, command: Sequence[str], env: Mapping[str, str],
 
     import torch.distributed as dist
 
-    from cgx.elastic.env import ElasticEnv
+    from cgx.launch.elastic_env import ElasticEnv
     check(spec, num_proc)
     if spec.discovery_script is not None:
         hosts = run_discovery(spec.discovery_script)

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    from cgx.launch.elastic import ElasticSpec
+from typing import Optional
 
 DEFAULT_MASTER_PORT = 29500
 USAGE_EXIT = 2
@@ -20,6 +17,18 @@ class UsageError(Exception):
 class Host:
     name: str
     slots: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticSpec:
+    """The elastic part of a cgxrun command line."""
+
+    min_np: int
+    max_np: int
+    discovery_script: Optional[str] = None
+    reset_limit: Optional[int] = None
+    cooldown: Optional[tuple[float, float]] = None  # seconds; None: blacklisted for good
+    wait_s: float = 600.0  # how long fewer than min_np ranks may wait for slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +50,7 @@ class RunSpec:
     dry_run: bool = False
     tag_output: bool = True  # prefix each line with its rank ("[1]<stdout>:")
     output_filename: Optional[str] = None  # per-rank logs: DIR/rank.<r>/{stdout,stderr}
-    elastic: Optional["ElasticSpec"] = None  # --min-np/--max-np/--host-discovery-script
+    elastic: Optional[ElasticSpec] = None  # --min-np/--max-np/--host-discovery-script
 
     def assignment(self) -> list[tuple[str, int]]:
         """(host, ranks) per host: ``-H`` slots filled in order up to ``num_proc``."""

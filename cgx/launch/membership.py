@@ -32,7 +32,7 @@ import socket
 import sys
 from typing import Any, Optional
 
-from cgx.elastic.env import ElasticEnv
+from cgx.launch.elastic_env import ElasticEnv
 from cgx.launch.world import Launcher, WorldInfo
 
 KEEP_ALIVE_S = 0.25  # a rank's heartbeat period (torch writes one every 0.25-0.5 s)
