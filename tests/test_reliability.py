@@ -238,7 +238,7 @@ def test_stalled_or_dead_rank_is_named_within_the_timeout(mode, tmp_path):
         assert o.get("error"), (o, res.tail())
         assert "rank 2" in o["error"], o["error"]
         assert o["seconds"] < 8 + 10, o  # within the timeout (+ the dead-peer grace)
-        assert o["later"] == "CGXError" and o["later_seconds"] < 1.0, o  # failed for good
+        assert o["later"] == "CommunicationError" and o["later_seconds"] < 1.0, o  # failed for good
     if mode == "stall":
         assert "have not submitted 'step2'" in survivors[0]["error"]
         assert "WARNING: collective 'step2'" in res.stderr and "rank 2" in res.stderr
