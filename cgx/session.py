@@ -171,7 +171,8 @@ def reducer() -> Reducer:
 def _world_gone():
     """An elastic job's probe of its world (None outside one): see Engine's world_gone."""
     from cgx.launch.membership import membership
-    member = membership() if runtime.world().launcher.value == "elastic" else None
+    from cgx.launch.world import Launcher
+    member = membership() if runtime.world().launcher is Launcher.ELASTIC else None
     return None if member is None else member.left
 
 

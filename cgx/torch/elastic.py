@@ -43,6 +43,7 @@ from cgx import runtime, session
 from cgx.elastic import HostsUpdatedInterrupt, run_fn
 from cgx.elastic.state import ObjectState as _ObjectState
 from cgx.elastic.state import State as _State
+from cgx.torch.optimizer import DistributedOptimizer
 from cgx.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                  broadcast_parameters)
 
@@ -116,19 +117,18 @@ class OptimizerStateHandler(StateHandler):
         self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
-        _discard_step(self.value)
+        if isinstance(self.value, DistributedOptimizer):
+            self.value.discard_step()  # its collectives failed
         self.value.load_state_dict(copy.deepcopy(self._saved))  # the copy stays the commit
 
     def sync(self, root: int) -> None:
         broadcast_optimizer_state(self.value, root_rank=root)
 
     def world_changed(self) -> None:
-        from cgx.torch.optimizer import DistributedOptimizer
         if isinstance(self.value, DistributedOptimizer):
             self.value.world_changed()
 
     def owed(self) -> float:
-        from cgx.torch.optimizer import DistributedOptimizer
         return self.value.owed_residual() if isinstance(self.value, DistributedOptimizer) \
             else 0.0
 
@@ -220,12 +220,6 @@ def _handler(value) -> Optional[StateHandler]:
     if isinstance(value, torch.nn.Module):
         return ModelStateHandler(value)
     return None
-
-
-def _discard_step(optimizer) -> None:
-    from cgx.torch.optimizer import DistributedOptimizer
-    if isinstance(optimizer, DistributedOptimizer):
-        optimizer.discard_step()
 
 
 # -- the sampler ---------------------------------------------------------------------------
