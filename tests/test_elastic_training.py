@@ -1,4 +1,5 @@
-"""Elastic training on real ranks: ``cgxrun --min-np`` with examples/torch_elastic.py.
+"""Elastic training on real ranks: ``cgxrun --min-np`` with examples/torch_elastic.py and
+examples/keras_elastic.py.
 
 Three ranks train the digits MLP; the test kills one with SIGKILL mid-epoch, checks that
 the other two roll back to their last commit and go on as a world of two, then adds a
@@ -26,7 +27,8 @@ from distutil import cgxrun_command
 
 pytestmark = pytest.mark.multiproc
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torch_elastic.py"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLE = EXAMPLES / "torch_elastic.py"
 COMMIT_EVERY = 5
 DEADLINE_S = 240
 
@@ -35,7 +37,8 @@ class ElasticRun:
     """One cgxrun elastic job whose hosts come from a file the test edits."""
 
     def __init__(self, tmp: Path, *flags: str, hosts=("127.0.0.1", "127.0.0.2", "127.0.0.3"),
-                 epochs: int = 5, compression: str = "4bit-ef", env=None):
+                 epochs: int = 5, compression: str = "4bit-ef", env=None,
+                 example: Path = EXAMPLE):
         self.log = tmp / "log"
         self.log.mkdir()
         self.hosts = tmp / "hosts.txt"
@@ -45,7 +48,7 @@ class ElasticRun:
         script.chmod(script.stat().st_mode | stat.S_IXUSR)
         cmd = [*cgxrun_command(), "-np", str(len(hosts)), "--min-np", "2", "--max-np", "3",
                "--host-discovery-script", str(script), *flags, "--",
-               sys.executable, str(EXAMPLE), "--log", str(self.log), "--epochs", str(epochs),
+               sys.executable, str(example), "--log", str(self.log), "--epochs", str(epochs),
                "--commit-every", str(COMMIT_EVERY), "--step-sleep", "0.03",
                "--compression", compression]
         self.err = tmp / "stderr.txt"
@@ -129,7 +132,15 @@ def _new_world_seconds(stderr: str) -> list:
 
 
 def test_a_killed_rank_costs_the_steps_since_the_commit_and_a_new_host_joins(tmp_path):
-    run = ElasticRun(tmp_path)
+    _survives_a_kill_and_takes_a_join(ElasticRun(tmp_path))
+
+
+def test_keras_fit_with_the_elastic_callbacks_survives_a_kill_and_takes_a_join(tmp_path):
+    _survives_a_kill_and_takes_a_join(ElasticRun(tmp_path, example=EXAMPLES / "keras_elastic.py"))
+
+
+def _survives_a_kill_and_takes_a_join(run: ElasticRun) -> None:
+    """3 ranks, 4-bit with error feedback; one SIGKILLed at step 17, a host added later."""
     victim = _kill_one_after(run, 17)
     survivors = run.wait_for("the survivors going on as a world of 2", lambda r: all(
         any(x["size"] == 2 for x in r[p]) for p in r if p != victim))

@@ -164,6 +164,14 @@ def _world(rank, world):
 
     bcast_in_graph()
     out["bvars_graph"] = gv.numpy()
+    # ... and the op it returns, run in a tf.compat.v1 session (resource and ref variables)
+    with tf.Graph().as_default():
+        sv = [tf.compat.v1.Variable([r + 1.0, 2.0], use_resource=res) for res in (True, False)]
+        bcast = hvd.broadcast_variables(sv, root_rank=1)
+        with tf.compat.v1.Session() as sess:
+            sess.run([v.initializer for v in sv])
+            sess.run(bcast)
+            out["bvars_session"] = [sess.run(v).tolist() for v in sv]
 
     # -- DistributedGradientTape ------------------------------------------------------
     rng = np.random.default_rng(0)
@@ -290,6 +298,7 @@ def test_collectives_and_tape_on_two_ranks():
         np.testing.assert_array_equal(out["bvars"][0], np.ones(4))
         assert out["bvars"][1] == 1
         np.testing.assert_array_equal(out["bvars_graph"], np.full((2, 2), 5.0))
+        assert out["bvars_session"] == [[2.0, 2.0], [2.0, 2.0]]
         assert "cgx reduces gradients of static shape" in out["dynamic"]
     # alltoall, eager and in the graph (rank 0 sends 2 rows to 0 and 4 to 1; rank 1 3 and 3)
     assert r0["a2a"].tolist() == [0, 1, 100, 101] and r1["a2a"].tolist() == [2, 3, 102, 103]

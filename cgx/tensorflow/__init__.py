@@ -79,9 +79,10 @@ from cgx.tensorflow.gradients import PartialDistributedGradientTape
 from cgx.tensorflow import compat as _compat
 from cgx.tensorflow.compat import (HorovodInternalError, SyncBatchNormalization, broadcast_,
                                    broadcast_global_variables, broadcast_object_fn,
-                                   check_extension, elastic, gpu_available, grouped_allgather,
+                                   check_extension, gpu_available, grouped_allgather,
                                    grouped_reducescatter, join, local_rank_op, local_size_op,
                                    process_set_included_op, rank_op, reducescatter, size_op)
+from cgx.tensorflow import elastic
 from cgx.tensorflow.ops import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
                                 allgather, allgather_object, allreduce, alltoall, barrier,
                                 broadcast, broadcast_object, broadcast_variables,

@@ -29,8 +29,9 @@ import torch
 import torch.utils.dlpack
 
 from cgx import session
-from cgx.errors import CollectiveMismatchError
+from cgx.errors import CollectiveMismatchError, CommunicationError
 from cgx.ops import op_name
+from cgx.tensorflow import failures
 
 # TF's CPU allocator aligns buffers to 64 bytes and its kernels assume it
 # (a misaligned buffer aborts the process in Eigen); torch allocations are
@@ -147,6 +148,9 @@ def _horovod_errors(fn):
     def wrapped(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except CommunicationError as e:  # a graph raises UnknownError: elastic runs look here
+            failures.note(e)
+            raise
         except CollectiveMismatchError as e:
             raise tf.errors.FailedPreconditionError(None, None, str(e)) from e
         except ValueError as e:

@@ -5,7 +5,6 @@ See ``cgx.torch.compat``; ``tests/test_horovod_api.py`` checks the list.
 
 from __future__ import annotations
 
-import types
 
 import tensorflow as tf
 
@@ -174,10 +173,4 @@ class SyncBatchNormalization:
         raise NotImplementedError("hvd.SyncBatchNormalization is not supported by cgx; use "
                                   "keras.layers.BatchNormalization (per-rank statistics)")
 
-
-elastic = types.ModuleType("cgx.tensorflow.elastic", "Horovod elastic training: not supported.")
-for _name in ("run", "TensorFlowState", "TensorFlowKerasState", "ObjectState", "State"):
-    setattr(elastic, _name, refuse(
-        f"hvd.elastic.{_name}", "cgx jobs have a fixed set of ranks: save a checkpoint and "
-        "restart the job (cgxrun) to change the world size"))
 

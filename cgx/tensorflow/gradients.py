@@ -163,6 +163,42 @@ class GradientExchange:
                 if p.adaptive is not None:
                     p.adaptive.replan_soon(step)
 
+    # -- across a change of world (cgx.tensorflow.elastic) ------------------------------
+
+    def state_dict(self) -> dict:
+        """Every plan's state (residuals, levels, step), by its variables' names: this
+        rank's own, kept in host memory at an elastic commit."""
+        with self._lock:
+            return {key: plan.state_dict() for key, plan in self._plans.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Put back :meth:`state_dict`'s plans (a plan not made yet gets it when made)."""
+        with self._lock:
+            for key, plan_state in state.items():
+                plan = self._plans.get(key)
+                if plan is not None:
+                    plan.load_state_dict(plan_state)
+
+    def discard_step(self) -> None:
+        """Forget the buckets in flight: their collectives failed (a rank was lost)."""
+        with self._lock:
+            self._inflight.clear()
+            self._step_of.clear()
+
+    def world_changed(self, step: int) -> None:
+        """The ranks changed: ``compression="auto"`` decides again from ``step``."""
+        self.discard_step()
+        with self._lock:
+            for plan in self._plans.values():
+                plan.world_changed(step)
+
+    def owed_residual(self) -> float:
+        """What this rank's error feedback still owes: the sum of |residual| over every
+        tensor of every plan (0.0 without error feedback)."""
+        with self._lock:
+            owed = [p.residual(n) for p in self._plans.values() for n in p.names]
+        return float(sum(float(r.abs().sum()) for r in owed if r is not None))
+
     def compression_plan(self) -> list[dict]:
         """Rows of the current per-layer plan (see ``GradientPlan.compression_plan``)."""
         with self._lock:

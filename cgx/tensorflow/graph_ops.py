@@ -35,6 +35,7 @@ from tensorflow.python.framework import op_def_library
 from cgx import session
 from cgx.collectives.negotiation import Negotiator
 from cgx.errors import CollectiveMismatchError
+from cgx.tensorflow import failures
 
 OP_TYPE = "CgxCollective"
 _OK, _UNKNOWN, _INVALID_ARGUMENT, _FAILED_PRECONDITION = 0, 2, 3, 9
@@ -262,6 +263,7 @@ def _finish(ctx, done, held: list, result, error) -> None:
 
 
 def _fail_now(ctx, error: BaseException) -> None:
+    failures.note(error)
     lib = _api[0]
     status = lib.TF_NewStatus()
     lib.TF_SetStatus(status, _code(error), _message(error).encode(errors="replace"))

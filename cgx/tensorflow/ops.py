@@ -306,7 +306,9 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
         return None
     if not assigns:
         return tf.no_op()
-    return tf.group(*[a for a in assigns if isinstance(a, (tf.Tensor, tf.Operation))])
+    # A resource variable's assign in a tf.compat.v1 graph is an unread variable, whose
+    # .op is the assignment (the op that runs the broadcast first).
+    return tf.group(*[a if isinstance(a, (tf.Tensor, tf.Operation)) else a.op for a in assigns])
 
 
 def assign_broadcast(variables, root_rank, process_set=global_process_set) -> list:

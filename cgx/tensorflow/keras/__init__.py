@@ -43,10 +43,10 @@ from cgx.tensorflow import (Average, Compression, Max, Min, Product, Sum, allgat
 from cgx.session import mpi_threads_supported
 from cgx.process_sets import ProcessSet, global_process_set
 from cgx.session import add_process_set, remove_process_set
-from cgx.tensorflow.compat import broadcast_global_variables, elastic
+from cgx.tensorflow.compat import broadcast_global_variables
 from cgx.capabilities import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
                               is_homogeneous, mpi_built, mpi_enabled, nccl_built, rocm_built)
-from cgx.tensorflow.keras import callbacks
+from cgx.tensorflow.keras import callbacks, elastic
 from cgx.tensorflow.keras.optimizer import DistributedOptimizer
 from cgx.tensorflow.keras.diloco import DiLoCo
 from cgx.diloco import OuterSGD

@@ -29,20 +29,14 @@ import tensorflow as tf
 
 from cgx import runtime
 from cgx.tensorflow.ops import allgather_object, allreduce, broadcast_variables
+from cgx.tensorflow.variables import shared_model_variables, shared_optimizer_variables
 
-# Keras' dropout/noise layers keep their RNG state in variables; broadcasting
-# it would give every rank the same masks, so it stays per rank.
-_RNG_STATE_SUFFIX = "seed_generator_state"
 
 
 def _check_int(value, what: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{what} must be an int >= {low}, got {value!r}")
     return int(value)
-
-
-# Optimizer variables that are per-rank state (DistributedOptimizer's gradient accumulators).
-_PER_RANK = ("cgx_accumulator", "cgx_pending_passes")
 
 
 def _innermost(optimizer):
@@ -90,14 +84,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._local_vars.add(id(var))
 
     def _broadcast(self) -> None:
-        variables = [v for v in self.model.variables
-                     if not str(getattr(v, "path", "")).endswith(_RNG_STATE_SUFFIX)
-                     and id(v) not in self._local_vars]
+        variables = shared_model_variables(self.model, self._local_vars)
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and optimizer.built:
             # Gradient accumulators hold this rank's own partial sums: never copied.
-            variables += [v for v in optimizer.variables
-                          if not any(k in str(getattr(v, "path", v.name)) for k in _PER_RANK)]
+            variables += shared_optimizer_variables(optimizer)
         broadcast_variables(variables, self.root_rank)
         self.broadcast_done = True
 

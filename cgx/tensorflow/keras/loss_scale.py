@@ -10,7 +10,8 @@ under a ``mixed_float16`` policy, or when handed a Keras ``LossScaleOptimizer``;
 a Keras ``LossScaleOptimizer`` put around a ``DistributedOptimizer`` gets the same
 global check once :func:`install_global_overflow_check` ran (``import
 cgx.tensorflow.keras`` calls it; ``check_finite`` is extended for optimizers that wrap
-a cgx one, recognized by the class attribute :data:`MARKER`, and only them).
+a cgx one, recognized by the class attribute ``cgx.tensorflow.variables.MARKER``, and
+only them).
 """
 
 from __future__ import annotations
@@ -19,25 +20,10 @@ import keras
 import tensorflow as tf
 
 from cgx.ops import Min
+from cgx.tensorflow.variables import MARKER, distributed_inside  # noqa: F401 - re-exported
 
 
 _keras_check_finite = keras.optimizers.LossScaleOptimizer.check_finite
-
-
-# What cgx's Keras DistributedOptimizer carries as a class attribute: an optimizer that
-# exchanges its gradients over the ranks (recognized here without importing its class).
-MARKER = "cgx_exchanges_gradients"
-
-
-def distributed_inside(opt):
-    """The cgx ``DistributedOptimizer`` that ``opt`` is or wraps (through
-    ``inner_optimizer``: loss-scale optimizers), else None."""
-    seen = 0
-    while opt is not None and seen < 8:
-        if getattr(type(opt), MARKER, False):
-            return opt
-        opt, seen = getattr(opt, "inner_optimizer", None), seen + 1
-    return None
 
 
 def _check_finite_everywhere(self, grads):

@@ -86,7 +86,7 @@ class DistributedOptimizer(DelegatesToInner, keras.optimizers.Optimizer):
         model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
     """
 
-    cgx_exchanges_gradients = True  # loss_scale.MARKER: cgx's loss-scale check finds it
+    cgx_exchanges_gradients = True  # variables.MARKER: how cgx finds it inside wrappers
 
     def __new__(cls, optimizer=None, *args, **kwargs):
         # Mixed precision: Keras would wrap this optimizer in its own LossScaleOptimizer,
@@ -273,6 +273,30 @@ class DistributedOptimizer(DelegatesToInner, keras.optimizers.Optimizer):
             compression = fixed(compression, config_in_use())
             self._factors.set_compression(compression)
         self._exchange = self._new_exchange(compression, update_rule_of(self.inner_optimizer))
+
+    # -- elastic training (cgx.tensorflow.elastic) -------------------------------------
+
+    def exchange_state(self) -> dict:
+        """This rank's own exchange state (error-feedback residuals, the plan's levels and
+        steps), to keep at an elastic commit: it is not a Keras variable."""
+        return self._exchange.state_dict()
+
+    def load_exchange_state(self, state: dict) -> None:
+        self._exchange.load_state_dict(state)
+
+    def discard_step(self) -> None:
+        """Forget the step in flight (its collectives failed: a rank was lost)."""
+        self._exchange.discard_step()
+
+    def world_changed(self) -> None:
+        """The job's world changed: ``compression="auto"`` measures and decides again (a
+        different number of ranks is a different link); residuals carry over."""
+        self._exchange.world_changed(int(self.inner_optimizer.iterations.numpy()))
+
+    def owed_residual(self) -> float:
+        """What this rank's error feedback still owes: the sum of |residual| (0.0 without
+        error feedback)."""
+        return self._exchange.owed_residual()
 
     def _new_exchange(self, compression, update_rule) -> GradientExchange:
         return GradientExchange(compression, self._op, self._predivide, self._rules,
