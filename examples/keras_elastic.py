@@ -76,6 +76,7 @@ def epoch_data(x, y, epoch, skip, batch_size):
     world), without its first ``skip`` batches (done before a rollback)."""
     order = np.random.default_rng(epoch).permutation(len(x))
     steps = len(x) // hvd.size() // batch_size
+    skip = min(skip, steps)  # counted in a smaller world's (longer) epochs
     mine = order[hvd.rank()::hvd.size()][:steps * batch_size][skip * batch_size:]
     return x[mine], y[mine]
 
@@ -112,7 +113,8 @@ def main():
             history = model.fit(xs, ys, batch_size=args.batch_size, shuffle=False,
                                 initial_epoch=state.epoch, epochs=state.epoch + 1,
                                 callbacks=callbacks, verbose=0)
-        return history.history["loss"][-1] if history else float("nan")
+        losses = history.history.get("loss", []) if history else []
+        return losses[-1] if losses else float("nan")
 
     final = train(state)
     if hvd.rank() == 0:

@@ -37,8 +37,9 @@ def parse():
     p.add_argument("--steps", type=int, default=200, help="the manager's steps to train")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--bits", type=int, default=4, help="quantization bits (32: exact)")
-    p.add_argument("--error-feedback", action="store_true")
+    p.add_argument("--compression", default="4bit",
+                   help="4bit, 4bit-ef (with error feedback), powersgd, exact")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket size")
     p.add_argument("--step-sleep", type=float, default=0.0, help="pause after each step")
     p.add_argument("--log", default="", help="write each step to DIR/<replica>-<pid>.jsonl")
     return p.parse_args()
@@ -72,9 +73,12 @@ def main():
                       replica_id=f"digits_{args.replica_id}", store_addr="localhost",
                       store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=args.lighthouse, timeout=timedelta(seconds=10))
-    compression = hvd.Compression.exact if args.bits == 32 else \
-        hvd.Compression.quantize(bits=args.bits, error_feedback=args.error_feedback)
-    ddp = DistributedDataParallel(manager, model, compression=compression)
+    compression = {"4bit": hvd.Compression.quantize(bits=4),
+                   "4bit-ef": hvd.Compression.quantize(bits=4, error_feedback=True),
+                   "powersgd": hvd.Compression.powersgd(rank=2),
+                   "exact": hvd.Compression.exact}[args.compression]
+    ddp = DistributedDataParallel(manager, model, compression=compression,
+                                  bucket_cap_mb=args.bucket_cap_mb)
     opt = OptimizerWrapper(manager, inner)
     log = open(os.path.join(args.log, f"{args.replica_id}-{os.getpid()}.jsonl"), "a") \
         if args.log else None
@@ -91,6 +95,7 @@ def main():
                 "pid": os.getpid(), "replica": args.replica_id, "step": manager.current_step(),
                 "participants": manager.num_participants(), "loss": loss.item(),
                 "digest": digest(model), "discarded": ddp.cgx_state.discarded,
+                "undone": ddp.cgx_state.undone,
                 "sent": ddp.cgx_state.stats().wire_bytes, "t": time.time()}) + "\n")
             log.flush()
         time.sleep(args.step_sleep)

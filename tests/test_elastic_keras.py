@@ -209,9 +209,19 @@ def _keras_state_world(rank, world):
     if rank == 1:
         model.set_weights([w + 1.0 for w in model.get_weights()])
         state.commit()
+        out["senior"] = np.concatenate([w.ravel() for w in model.get_weights()])
+    else:
+        model.optimizer._pending.assign(0)  # as a rank that joined mid-accumulation
     model.optimizer._accumulators[0].assign(tf.fill(model.optimizer._accumulators[0].shape,
                                                     float(rank)))
+    plans = list(opt._exchange._plans.values())
+    if rank == 0:  # the exchange's shared state (its step) is synced from the senior too
+        for plan in plans:
+            plan.step += 50
+    owed_before_sync = opt.owed_residual()
     state.sync()
+    out["plan_steps"] = [p.step for p in plans]
+    out["own_residuals"] = opt.owed_residual() == owed_before_sync
     out["after_sync"] = np.concatenate([w.ravel() for w in model.get_weights()])
     out["accumulator"] = float(np.array(model.optimizer._accumulators[0]).ravel()[0])
     out["pending"] = int(np.array(model.optimizer._pending))
@@ -246,7 +256,9 @@ def test_keras_state_restores_the_commit_and_syncs_from_the_senior_rank():
         assert owed_at_commit > 0 and owed_now == pytest.approx(owed_at_commit)
         assert r["epoch"] == 1 and r["commits"] == 2 and r["retrace"]
         assert r["pending"] == 1  # the shared pass count
-    np.testing.assert_array_equal(r0["after_sync"], r1["after_sync"])
+    np.testing.assert_array_equal(r0["after_sync"], r1["senior"])  # the senior's won
+    np.testing.assert_array_equal(r1["after_sync"], r1["senior"])
+    assert r0["plan_steps"] == r1["plan_steps"] and r0["own_residuals"] and r1["own_residuals"]
     for r in (r0, r1):  # rank 0's values, kept as the commit
         assert r["tf1"] == (([1.0, 2.0], 0), ([1.0, 2.0], 0))
     assert (r0["accumulator"], r1["accumulator"]) == (0.0, 1.0)  # each rank's own

@@ -183,7 +183,9 @@ def test_the_default_exchange_decides_again_after_a_change_of_world(tmp_path):
     plans = [int(s) for s in re.findall(r"compression plan \d+ at step (\d+)", err)]
     rows = run.rows()
     back_to = min(r["step"] for rows_ in rows.values() for r in rows_ if r["size"] == 2)
-    assert plans[0] == 10 and any(p >= back_to for p in plans[1:]), plans
+    # a plan on the first world, and one measured again after the rollback (a loaded
+    # machine may re-form the world once more at the first commit: its plan comes later)
+    assert plans and plans[0] < back_to and any(p >= back_to for p in plans[1:]), plans
     assert len(re.findall(r"trying \d+ exchange plans", err)) >= 2
     _check_identical(rows)
 

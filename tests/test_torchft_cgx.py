@@ -2,7 +2,9 @@
 (the pinned 0.2.0): its lighthouse, one Manager per replica group, examples/torchft_ddp.py
 as the replica groups.
 
-Two replica groups train the digits MLP with 4-bit and error feedback. The test kills
+Two replica groups train the digits MLP, with 4-bit and error feedback or with PowerSGD
+(whose factors every group must hold alike), in DDP buckets of about 8 kB (several per
+step). The test kills
 one with SIGKILL, checks that the other goes on alone without going back a step, starts
 the killed one again, and checks that it heals from its live peer (the model, the
 optimizer and cgx's shared state; no checkpoint) and that both then hold the same
@@ -32,8 +34,8 @@ PARAMS = 64 * 128 + 128 + 128 * 10 + 10  # the example's MLP
 
 
 class Replicas:
-    def __init__(self, tmp: Path, lighthouse: str):
-        self.tmp, self.lighthouse = tmp, lighthouse
+    def __init__(self, tmp: Path, lighthouse: str, compression: str):
+        self.tmp, self.lighthouse, self.compression = tmp, lighthouse, compression
         self.log = tmp / "log"
         self.log.mkdir()
         self.procs: dict = {}
@@ -42,7 +44,8 @@ class Replicas:
     def launch(self, replica: int) -> subprocess.Popen:
         cmd = [sys.executable, str(EXAMPLE), "--replica-id", str(replica), "--lighthouse",
                self.lighthouse, "--steps", str(STEPS), "--step-sleep", "0.03",
-               "--error-feedback", "--log", str(self.log)]
+               "--compression", self.compression, "--bucket-cap-mb", "0.008",
+               "--log", str(self.log)]
         out = open(self.tmp / f"replica{replica}-{len(self.procs)}.txt", "w")
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -91,9 +94,10 @@ def lighthouse():
     server.shutdown()
 
 
+@pytest.mark.parametrize("compression", ["4bit-ef", "powersgd"])
 def test_a_killed_replica_group_heals_from_its_peer_and_the_exchange_stays_compressed(
-        tmp_path, lighthouse):
-    run = Replicas(tmp_path, lighthouse)
+        tmp_path, lighthouse, compression):
+    run = Replicas(tmp_path, lighthouse, compression)
     try:
         run.launch(0)
         victim = run.launch(1)
@@ -128,11 +132,16 @@ def test_a_killed_replica_group_heals_from_its_peer_and_the_exchange_stays_compr
         for r in rs:
             if r["participants"] == 2:
                 by_step.setdefault(r["step"], set()).add(r["digest"])
-    assert len(by_step) >= 40 and all(len(d) == 1 for d in by_step.values()), by_step
-    # 4-bit: several times fewer bytes per step than an fp32 ring allreduce of 2 groups
+    assert all(len(d) == 1 for d in by_step.values()), by_step
+    shared = sorted(by_step)
+    assert sum(s <= killed_at for s in shared) >= 5 and sum(s > killed_at for s in shared) >= 5
+    # several times fewer bytes per step than an fp32 ring allreduce of 2 groups
     together = [(b["sent"] - a["sent"]) for a, b in zip(healed, healed[1:])
                 if b["participants"] == 2 and b["step"] == a["step"] + 1]
-    assert together and max(together) * 7 < 4 * PARAMS, together
+    assert together and max(together) * 5 < 4 * PARAMS, together
+    print(f"\n{compression}: {max(together)} B a step against {4 * PARAMS} B in fp32; "
+          f"the survivor discarded {survivor[0][-1]['discarded']} step(s) and undid "
+          f"{survivor[0][-1]['undone']}")
     losses = [r["loss"] for r in survivor[0]]
     assert sum(losses[-20:]) < 0.5 * sum(losses[:20])
 
@@ -183,10 +192,12 @@ def test_the_transport_over_torchfts_group_reduces_as_torch_distributed_does():
 
 
 class _Manager:
-    """What TorchftState asks of torchft's Manager outside a step."""
+    """What TorchftState asks of torchft's Manager around a step (no process group: the
+    engine is never made, so each step here is one whose exchange could not start)."""
 
     def __init__(self):
-        self.fns, self.errors = {}, []
+        self.fns, self.errors, self.step = {}, [], 5
+        self._healing, self._pending_state_dict = False, None
 
     def register_state_dict_fn(self, key, load, save):
         self.fns[key] = (load, save)
@@ -194,8 +205,17 @@ class _Manager:
     def report_error(self, e):
         self.errors.append(e)
 
+    def errored(self):
+        return None
 
-def test_the_state_refuses_plans_heals_without_residuals_and_undoes_a_failed_step():
+    def wait_quorum(self):
+        pass
+
+    def current_step(self):
+        return self.step
+
+
+def test_the_state_refuses_plans_undoes_discarded_steps_and_heals_without_residuals():
     import torch
     from cgx.compression import Compression
     from cgx.integrations.torchft import TorchftState
@@ -206,13 +226,26 @@ def test_the_state_refuses_plans_heals_without_residuals_and_undoes_a_failed_ste
     state = TorchftState(manager, model,
                          compression=Compression.quantize(bits=2, error_feedback=True))
     name = state.plan.names[0]
+    held = state.plan.residuals.residuals
+
+    assert state.begin_step().failed and len(manager.errors) == 1  # no group: lost
+    held[name] = torch.ones(1200)  # what the step changed
+    state.begin_step()  # the manager did not advance: that step was discarded
+    assert name not in state.plan.residuals.residuals and state.undone == 1
     state.plan.residuals.residuals[name] = torch.ones(1200)
+    manager.step = 6  # committed
+    state.begin_step()
+    assert float(state.plan.residuals.residuals[name].sum()) == 1200 and state.undone == 1
+
     load, save = manager.fns["cgx"]
     shared = save()
-    assert shared["plan"]["residuals"] == {}  # each group's own: not sent in a heal
-    state._before_step = {"residuals": {name: torch.zeros(1200)}, "owed": {}}
-    state.failed(RuntimeError("peer gone"))
-    assert float(state.plan.residuals.residuals[name].abs().sum()) == 0.0
-    assert state.discarded == 1 and len(manager.errors) == 1
-    load(shared)  # a healed group: the peer's step and compressor state, no residuals
-    assert state.plan.residuals.residuals == {}
+    assert not isinstance(shared["plan"]["residuals"], dict)  # each group's own: not sent
+    shared["plan"]["step"] = 77
+    manager._healing, manager._pending_state_dict = True, {"user": {"cgx": shared}}
+    manager.step = 9
+    state.begin_step()  # a heal's state, applied before the exchange
+    assert state.plan.step == 77
+    assert float(state.plan.residuals.residuals[name].sum()) == 1200  # its own kept
+    state.plan.step = 78  # the step's exchange moved it on
+    load(shared)  # torchft applies the heal after the step: already done, not again
+    assert state.plan.step == 78

@@ -33,6 +33,7 @@ from cgx import runtime, session
 from cgx.elastic import HostsUpdatedInterrupt, run_fn
 from cgx.elastic.state import ObjectState as _ObjectState
 from cgx.elastic.state import State as _State
+from cgx.exchange.per_rank import with_per_rank, without_per_rank
 from cgx.tensorflow import failures
 from cgx.tensorflow.ops import allgather_object, broadcast_object, broadcast_variables
 from cgx.tensorflow.variables import (distributed_inside, shared_model_variables,
@@ -100,8 +101,9 @@ class TensorFlowKerasState(ObjectState):
         kwargs: plain values, then attributes (``epoch=0, batch=0``).
 
     Every rank's copy of the model's variables and the optimizer's is synced from the
-    senior rank, but the per-rank ones: the RNG state of dropout layers, and a
-    ``DistributedOptimizer``'s gradient accumulators (``backward_passes_per_step``) and
+    senior rank, and so is a ``DistributedOptimizer``'s exchange state (its steps,
+    PowerSGD's warm start), but the per-rank parts: the RNG state of dropout layers, and
+    a ``DistributedOptimizer``'s gradient accumulators (``backward_passes_per_step``) and
     its error-feedback residuals.
     """
 
@@ -142,10 +144,17 @@ class TensorFlowKerasState(ObjectState):
         super().restore()
 
     def sync_from(self, root: int) -> None:
-        variables = shared_model_variables(self.model)
+        local = getattr(self._cgx, "_local_vars", frozenset())  # register_local_var's
+        variables = shared_model_variables(self.model, local)
         if self.optimizer is not None:
             variables += shared_optimizer_variables(self.optimizer, pending=True)
         broadcast_variables(variables, root)
+        if self._cgx is not None:
+            # The exchange's shared state (steps, PowerSGD's warm start) is the root's, as
+            # every rank must hold alike; the residuals stay each rank's own.
+            own = self._cgx.exchange_state()
+            shared = broadcast_object(without_per_rank(own), root_rank=root)
+            self._cgx.load_exchange_state(with_per_rank(shared, own))
         super().sync_from(root)
 
     def sync(self) -> None:
@@ -190,7 +199,7 @@ class TensorFlowState(ObjectState):
         if not eager and self.session is None:
             raise ValueError("TensorFlowState in a tf.compat.v1 graph needs a session: pass "
                              "session=, or create it inside `with sess.as_default():`")
-        self._bcast_op = None if eager else broadcast_variables(self.variables, 0)
+        self._bcast_ops: dict = {}  # (root, world size) -> its broadcast op, made once
         self._save_values()
         super().__init__(**kwargs)
 
@@ -213,8 +222,16 @@ class TensorFlowState(ObjectState):
     def sync_from(self, root: int) -> None:
         if self.session is None:
             broadcast_variables(self.variables, root)
-        elif root == 0:
-            self.session.run(self._bcast_op)
-        else:  # the senior rank after a change of world: a broadcast from it, built now
-            self.session.run(broadcast_variables(self.variables, root))
+        else:  # one op per root and world (a graph op keeps the world it was built in)
+            key = (root, runtime.size())
+            if key not in self._bcast_ops:
+                with self.session.graph.as_default():
+                    self._bcast_ops[key] = broadcast_variables(self.variables, root)
+            try:
+                self.session.run(self._bcast_ops[key])
+            except tf.errors.OpError as e:  # a failed broadcast: the run loop's to handle
+                failure = failures.failure_behind(e)
+                if failure is None:
+                    raise
+                raise failure from e
         super().sync_from(root)

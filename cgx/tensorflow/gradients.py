@@ -133,15 +133,16 @@ class GradientExchange:
         # compression="auto": plans restored from a checkpoint, applied when the
         # GradientPlan of the same layers is created (at the first exchange).
         self.pending_plans: list = []
+        self._pending_states: dict = {}  # plan key -> state for a plan not made yet
 
     def plan(self, names: Sequence[str], shapes, dtypes) -> GradientPlan:
         key = (tuple(names), tuple(tuple(s) for s in shapes), tuple(dtypes))
         with self._lock:
             plan = self._plans.get(key)
             if plan is None:
-                plan = GradientPlan(names, shapes, self.compression, op=self.op,
-                                    predivide=self.predivide, rules=self.rules,
-                                    group=self.group, update_rule=self.update_rule)
+                plan = self._new_plan(key)
+                if key in self._pending_states:  # kept at a commit or synced before it existed
+                    plan.load_state_dict(self._pending_states.pop(key))
                 if plan.adaptive is not None:
                     from cgx.policy.levels.schedule import matches
                     for summary in self.pending_plans:
@@ -149,6 +150,12 @@ class GradientExchange:
                             plan.adaptive.load_plan_summary(summary)
                 self._plans[key] = plan
             return plan
+
+    def _new_plan(self, key) -> GradientPlan:
+        names, shapes, _ = key
+        return GradientPlan(list(names), [list(s) for s in shapes], self.compression,
+                            op=self.op, predivide=self.predivide, rules=self.rules,
+                            group=self.group, update_rule=self.update_rule)
 
     def plan_summaries(self) -> list:
         """compression="auto": each plan's :meth:`AdaptiveSchedule.plan_summary` (JSON-able)."""
@@ -172,12 +179,18 @@ class GradientExchange:
             return {key: plan.state_dict() for key, plan in self._plans.items()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Put back :meth:`state_dict`'s plans (a plan not made yet gets it when made)."""
+        """Put back :meth:`state_dict`'s plans (a plan not made yet gets it when made; a
+        plan made since, which ``state`` does not hold, starts again as made)."""
         with self._lock:
+            for key, plan in self._plans.items():
+                if key not in state:  # the traced graph holds the plan: reset it in place
+                    plan.load_state_dict(self._new_plan(key).state_dict())
             for key, plan_state in state.items():
                 plan = self._plans.get(key)
                 if plan is not None:
                     plan.load_state_dict(plan_state)
+                else:
+                    self._pending_states[key] = plan_state
 
     def discard_step(self) -> None:
         """Forget the buckets in flight: their collectives failed (a rank was lost)."""

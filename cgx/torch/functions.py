@@ -7,6 +7,7 @@ import torch
 from cgx import runtime
 from cgx import session
 from cgx import ops
+from cgx.exchange.per_rank import with_per_rank, without_per_rank
 from cgx.ops import broadcast_tensors
 from cgx.process_sets import global_process_set
 from cgx.torch.optimizer import DistributedOptimizer
@@ -105,7 +106,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
         _create_state(optimizer, model)
     local = optimizer.state_dict()
     tensors: list = []
-    structure = _split_tensors(_without_per_rank(local), tensors)
+    structure = _split_tensors(without_per_rank(local), tensors)
     structure = ops.broadcast_object(
         structure if runtime.rank() == root_rank else None, root_rank)
     if runtime.rank() != root_rank:
@@ -114,7 +115,7 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     if tensors:
         session.run(broadcast_tensors, tensors, root_rank, "broadcast_optimizer_state",
                     label="broadcast_optimizer_state")
-    optimizer.load_state_dict(_with_per_rank(_join_tensors(structure, tensors), local))
+    optimizer.load_state_dict(with_per_rank(_join_tensors(structure, tensors), local))
 
 
 def _create_state(optimizer, model=None) -> None:
@@ -134,28 +135,6 @@ def _create_state(optimizer, model=None) -> None:
                         isinstance(inner, torch.optim.SGD) and id(p) in sparse):
                     p.grad = p.grad.to_sparse()
     inner.step()
-
-
-# State under these keys belongs to one rank (error-feedback residuals: what *this*
-# rank's compression dropped); broadcasting it would make every rank re-send rank 0's.
-PER_RANK_KEYS = ("residuals", "owed")
-_PER_RANK = "__cgx_per_rank__"
-
-
-def _without_per_rank(tree):
-    if isinstance(tree, dict):
-        return {k: (_PER_RANK if k in PER_RANK_KEYS else _without_per_rank(v))
-                for k, v in tree.items()}
-    return tree
-
-
-def _with_per_rank(tree, local):
-    """Put this rank's own per-rank entries (from ``local``) back where they were left out."""
-    if isinstance(tree, dict):
-        local = local if isinstance(local, dict) else {}
-        return {k: (local.get(k, {}) if v == _PER_RANK else _with_per_rank(v, local.get(k)))
-                if isinstance(v, (dict, str)) else v for k, v in tree.items()}
-    return tree
 
 
 def _placeholders(tree) -> list:
