@@ -24,7 +24,14 @@ match the plain single-process reference:
 * ``"decide-exact"``: ``Compression.auto(objective="time")`` restricted to the exact
   candidate: after each 1-step window the planner's measurements, the proposals, a round of
   trials (one plan: the proposals coincide) and a check of the kept plan every step; the
-  deciding exchange's whole path with nothing compressed; the DDP hook pattern too.
+  deciding exchange's whole path with nothing compressed, the model not given and factor
+  discovery off (``sufficient_factors=False``); the DDP hook pattern too.
+* ``"decide-sfb"``: ``"decide-exact"`` given the model: its trials also send every linear
+  layer as factors, and none.
+* ``"decide-found"``: ``"decide-exact"`` with the model neither given nor refused: the
+  layers are found in the first step (``cgx.torch.factor_discovery``) and the trials
+  weigh their factors from the second; tied, shared and borrowed weights must take the
+  plain path as with the model given.
 
 A new variant is one more entry in ``VARIANTS`` and one more branch in ``_opt``.
 """
@@ -40,7 +47,8 @@ STEPS = 4
 GLOBAL_BATCH = 12  # divisible by 1, 2 and 3 ranks
 
 
-VARIANTS = ("plain", "sfb", "auto-exact", "planned-exact", "decide-exact", "decide-sfb")
+VARIANTS = ("plain", "sfb", "auto-exact", "planned-exact", "decide-exact", "decide-sfb",
+            "decide-found")
 EXACT_ONLY = {"layers": [{"pattern": "*", "exclude": True}]}  # per-layer rules: all exact
 _variant = "plain"  # set by init(): what _opt's optimizers decide with
 
@@ -73,8 +81,8 @@ def _compression(hvd):
     if _variant == "planned-exact":
         return hvd.Compression.planned(calibrate_steps=2, replan_every=1)
     if _variant.startswith("decide"):  # the deciding exchange: proposals, a round, checks
-        # (decide-sfb: given the model, its trials also send every linear layer as factors
-        # and none)
+        # (decide-sfb and decide-found: its trials also send every linear layer as
+        # factors, and none)
         return hvd.Compression.auto(objective="time", families=("exact",), window=1,
                                     adjust_every=2, trial_steps=1, trial_warmup_steps=0,
                                     recheck_every=1)
@@ -84,6 +92,8 @@ def _compression(hvd):
 def _opt(hvd, model, opt, **kw):
     if _variant in ("sfb", "decide-sfb"):
         kw["sufficient_factors"] = model
+    if _variant == "decide-exact":
+        kw["sufficient_factors"] = False
     if _variant == "planned-exact":
         kw["rules"] = EXACT_ONLY
     return hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),

@@ -19,7 +19,8 @@ def reference():
 
 # Every variant on 2 ranks; on 3 (uneven chunks) the plain exchange and the factors: the
 # auto and planned variants restricted to exact options reduce through the same path.
-CASES = [(2, v) for v in VARIANTS] + [(3, v) for v in VARIANTS if v in ("plain", "sfb")]
+CASES = [(2, v) for v in VARIANTS] + [(3, v) for v in VARIANTS
+                                     if v in ("plain", "sfb", "decide-found")]
 
 
 @pytest.mark.parametrize("world,variant", CASES)

@@ -33,10 +33,12 @@ def deciding_under_changing_link(steps: int, changes: dict, width: int = 1024, d
                                  batch: int = 8, window: int = 3,
                                  trial_steps: int = 2, recheck_every: int = 5,
                                  drift_tolerance: float = 0.5,
-                                 trial_runoffs: int = 1) -> dict[str, Any]:
+                                 trial_runoffs: int = 1, factors: bool = False) -> dict[str, Any]:
     """Train an MLP (``depth`` hidden layers of ``width``) with
     ``Compression.auto(objective="time")`` for ``steps`` steps; at each step named in
     ``changes`` (JSON: string keys) the link is reshaped to its rate (None: unshaped).
+    ``factors``: the linear layers found in the first step are weighed as sufficient
+    factors too (two plans more in each round; off, the default, as without a model).
     Returns the rounds of trials, the checks of the kept plans and each step's seconds."""
     import torch
     import cgx.torch as hvd
@@ -50,7 +52,8 @@ def deciding_under_changing_link(steps: int, changes: dict, width: int = 1024, d
                                 recheck_every=recheck_every, drift_tolerance=drift_tolerance,
                                 families=("quantize",), trial_runoffs=trial_runoffs)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(), compression=comp)
+                                   named_parameters=model.named_parameters(), compression=comp,
+                                   sufficient_factors=None if factors else False)
     changes = {int(k): v for k, v in changes.items()}
     g = torch.Generator().manual_seed(hvd.rank())
     seconds = []

@@ -1,7 +1,9 @@
 """Horovod's elastic state: what a rank keeps in memory, commits, restores and syncs.
 
-:class:`State` is framework-free: the adapter hands it its broadcast and gather
-functions (``cgx.torch.elastic`` builds ``TorchState`` and ``ObjectState`` on it).
+:class:`State` and :class:`ObjectState` are framework-free: they communicate through
+:mod:`cgx.ops`' object collectives over the current world, which every adapter shares
+(``cgx.torch.elastic`` and ``cgx.tensorflow.elastic`` re-export them and build their
+framework's states on them).
 
 * ``commit()`` saves a copy of the state in host memory, then checks whether ranks are
   waiting to join (every rank sees the same answer: any rank's); if so it raises
@@ -22,8 +24,10 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import Callable, Iterable, Optional
 
+from cgx import ops, runtime
 from cgx.launch.membership import membership
 
 
@@ -46,23 +50,26 @@ class HostsUpdatedInterrupt(RuntimeError):
 class State:
     """Tracked state of one training function (Horovod's ``hvd.elastic.State``).
 
-    Args:
-        bcast_object: ``fn(obj, root_rank) -> obj`` over the current world.
+    Args (tests and other runtimes may replace the collectives; the defaults are
+    :mod:`cgx.ops`' over the current world):
+        bcast_object: ``fn(obj, root_rank) -> obj``.
         get_rank: this rank in the current world.
-        allgather_object: ``fn(obj) -> list`` over the current world.
+        allgather_object: ``fn(obj) -> list``.
 
     Attributes:
         commits: commits this rank holds (its seniority; equal on all ranks after a sync).
         dropped_owed: what the ranks lost so far owed at their last commit (:meth:`owed`:
-            error feedback's residuals), which no rank will send.
+            error feedback's residuals, sum of absolute values in gradient units), which
+            no rank will send; rank 0 prints it when a rank is lost.
         lost_ranks: ranks lost so far.
     """
 
-    def __init__(self, bcast_object: Callable, get_rank: Callable[[], int],
+    def __init__(self, bcast_object: Optional[Callable] = None,
+                 get_rank: Optional[Callable[[], int]] = None,
                  allgather_object: Optional[Callable] = None) -> None:
-        self._bcast_object = bcast_object
-        self._rank = get_rank
-        self._allgather_object = allgather_object
+        self._bcast_object = bcast_object or _broadcast_object
+        self._rank = get_rank or runtime.rank
+        self._allgather_object = allgather_object or ops.allgather_object
         self._reset_callbacks: list[Callable[[], None]] = []
         self.commits = 0
         self.owed_at_commit: dict = {}  # process -> owed(), gathered at the last commit
@@ -94,7 +101,7 @@ class State:
         itself) and every rank's :meth:`owed`, kept as :attr:`owed_at_commit`: what a rank
         lost later owed when it was last seen."""
         member = membership()
-        if member is None or self._allgather_object is None:
+        if member is None:
             return
         rows = self._allgather_object((member_id(), self.owed(), member.changed()))
         self.owed_at_commit = {m: owed for m, owed, _ in rows}
@@ -109,15 +116,19 @@ class State:
     def sync(self) -> None:
         """Make every rank's state the senior rank's (which then counts for all), and
         count what the ranks lost since the last commit owed."""
-        mine = (self.commits, member_id())
-        rows = self._allgather_object(mine) if self._allgather_object else [mine]
+        rows = self._allgather_object((self.commits, member_id()))
         counts = [c for c, _ in rows]
         root = counts.index(max(counts))
         here = {m for _, m in rows}
         lost = [m for m in self.owed_at_commit if m not in here]
-        self.dropped_owed += sum(self.owed_at_commit[m] for m in lost)
+        dropped = sum(self.owed_at_commit[m] for m in lost)
+        self.dropped_owed += dropped
         self.lost_ranks += len(lost)
         self.owed_at_commit = {}
+        if lost and self._rank() == 0:
+            print(f"[cgx rank 0] elastic: {len(lost)} rank(s) lost; the error-feedback "
+                  f"residual they owed at the last commit is dropped (sum |r| = "
+                  f"{dropped:.4g})", file=sys.stderr, flush=True)
         self.sync_from(root)
         self.commits = self._bcast_object(self.commits, root)
         self.save()  # what a failure before the next commit rolls back to: what was synced
@@ -136,11 +147,16 @@ class State:
         raise NotImplementedError
 
 
+def _broadcast_object(obj, root: int):
+    return ops.broadcast_object(obj, root_rank=root)
+
+
 class ObjectState(State):
     """Plain Python values, each a keyword argument and then an attribute (Horovod's
     ``ObjectState``): ``state = ObjectState(epoch=0, batch=0); state.epoch += 1``."""
 
-    def __init__(self, bcast_object: Callable, get_rank: Callable[[], int],
+    def __init__(self, bcast_object: Optional[Callable] = None,
+                 get_rank: Optional[Callable[[], int]] = None,
                  allgather_object: Optional[Callable] = None, **kwargs) -> None:
         self._saved_state = dict(kwargs)
         self._set_attrs()

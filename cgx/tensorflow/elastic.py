@@ -24,27 +24,21 @@ from __future__ import annotations
 
 import copy
 import functools
-import sys
 
 import numpy as np
 import tensorflow as tf
 
 from cgx import runtime, session
 from cgx.elastic import HostsUpdatedInterrupt, run_fn
-from cgx.elastic.state import ObjectState as _ObjectState
-from cgx.elastic.state import State as _State
+from cgx.elastic.state import ObjectState, State
 from cgx.exchange.per_rank import with_per_rank, without_per_rank
 from cgx.tensorflow import failures
-from cgx.tensorflow.ops import allgather_object, broadcast_object, broadcast_variables
+from cgx.tensorflow.ops import broadcast_object, broadcast_variables
 from cgx.tensorflow.variables import (distributed_inside, shared_model_variables,
                                       shared_optimizer_variables)
 
 __all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "TensorFlowKerasState",
            "TensorFlowState", "run"]
-
-
-def _bcast(obj, root: int):
-    return broadcast_object(obj, root_rank=root)
 
 
 def run(func):
@@ -64,20 +58,6 @@ def run(func):
             raise failure from e
 
     return run_fn(failures_named, session.reinit, runtime.rank, runtime.size)
-
-
-class State(_State):
-    """Horovod's ``hvd.elastic.State``: subclass it and write save/restore/sync."""
-
-    def __init__(self) -> None:
-        super().__init__(_bcast, runtime.rank, allgather_object)
-
-
-class ObjectState(_ObjectState):
-    """Plain Python values kept across changes of world (``ObjectState(epoch=0)``)."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(_bcast, runtime.rank, allgather_object, **kwargs)
 
 
 def _copies(variables) -> list:
@@ -156,14 +136,6 @@ class TensorFlowKerasState(ObjectState):
             shared = broadcast_object(without_per_rank(own), root_rank=root)
             self._cgx.load_exchange_state(with_per_rank(shared, own))
         super().sync_from(root)
-
-    def sync(self) -> None:
-        before = (self.lost_ranks, self.dropped_owed)
-        super().sync()
-        if self.lost_ranks > before[0] and runtime.rank() == 0:
-            print(f"[cgx rank 0] elastic: {self.lost_ranks - before[0]} rank(s) lost; the "
-                  f"error-feedback residual they owed at the last commit is dropped (sum |r| "
-                  f"= {self.dropped_owed - before[1]:.4g})", file=sys.stderr, flush=True)
 
     def owed(self) -> float:
         return self._cgx.owed_residual() if self._cgx is not None else 0.0

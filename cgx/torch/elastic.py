@@ -34,15 +34,13 @@ from __future__ import annotations
 import copy
 import math
 import random
-import sys
 from typing import Optional
 
 import torch
 
 from cgx import runtime, session
 from cgx.elastic import HostsUpdatedInterrupt, run_fn
-from cgx.elastic.state import ObjectState as _ObjectState
-from cgx.elastic.state import State as _State
+from cgx.elastic.state import ObjectState, State
 from cgx.torch.optimizer import DistributedOptimizer
 from cgx.torch.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                  broadcast_parameters)
@@ -51,29 +49,11 @@ __all__ = ["ElasticSampler", "HostsUpdatedInterrupt", "ObjectState", "State", "T
            "run", "ModelStateHandler", "OptimizerStateHandler", "SamplerStateHandler"]
 
 
-def _bcast(obj, root: int):
-    return broadcast_object(obj, root_rank=root)
-
-
 def run(func):
     """Horovod's ``@hvd.elastic.run``: call ``func(state, ...)`` until it returns; after a
     failed collective roll back to the last commit, and after any change of world sync
     the state from the senior rank (:mod:`cgx.elastic.run`)."""
     return run_fn(func, session.reinit, runtime.rank, runtime.size)
-
-
-class State(_State):
-    """Horovod's ``hvd.elastic.State``: subclass it and write save/restore/sync."""
-
-    def __init__(self) -> None:
-        super().__init__(_bcast, runtime.rank, allgather_object)
-
-
-class ObjectState(_ObjectState):
-    """Plain Python values kept across changes of world (``ObjectState(epoch=0)``)."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(_bcast, runtime.rank, allgather_object, **kwargs)
 
 
 # -- what TorchState does for each kind of value ---------------------------------------------
@@ -188,14 +168,6 @@ class TorchState(ObjectState):
     def owed(self) -> float:
         return float(sum(h.owed() for h in self._handlers.values()
                          if isinstance(h, OptimizerStateHandler)))
-
-    def sync(self) -> None:
-        before = (self.lost_ranks, self.dropped_owed)
-        super().sync()
-        if self.lost_ranks > before[0] and runtime.rank() == 0:
-            print(f"[cgx rank 0] elastic: {self.lost_ranks - before[0]} rank(s) lost; the "
-                  f"error-feedback residual they owed at the last commit is dropped (sum |r| "
-                  f"= {self.dropped_owed - before[1]:.4g})", file=sys.stderr, flush=True)
 
     def sync_from(self, root: int) -> None:
         # Optimizers first: a rank with no optimizer state yet takes a zero-gradient step

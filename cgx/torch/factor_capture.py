@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import weakref
+from typing import Optional
 
 import torch
 
@@ -98,11 +99,14 @@ class _Sole:
 
 
 class FactorCapture:
-    """Hooks on the ``nn.Linear`` layers of ``model`` whose weights ``param_ids`` holds.
+    """Hooks on the ``nn.Linear`` layers among ``modules`` whose weights ``param_ids`` holds.
 
     Args:
-        model: the module to search.
+        modules: ``(name, module)`` pairs, each module once: a model's ``named_modules()``,
+            or the modules seen running forward (:mod:`cgx.torch.factor_discovery`). A
+            parameter registered in more than one of them is shared.
         param_ids: ids of the parameters the optimizer owns (only their layers are captured).
+        names: id(weight) -> the name its layer goes by (default: ``"<module>.weight"``).
 
     Attributes:
         captures: id(weight) -> :class:`Capture`, per captured layer.
@@ -110,20 +114,18 @@ class FactorCapture:
             in more than one module.
     """
 
-    def __init__(self, model: torch.nn.Module, param_ids: set):
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"sufficient_factors= takes the model (a torch.nn.Module), got "
-                            f"{type(model).__name__}")
+    def __init__(self, modules, param_ids: set, names: Optional[dict] = None):
+        modules = list(modules)
         self.captures: dict[int, Capture] = {}  # id(weight) -> Capture
         self.shared: list[str] = []
         self._hooks: list = []
         self._soles: list[_Sole] = []
-        owners = collections.Counter(id(p) for m in model.modules() for _, p in
+        owners = collections.Counter(id(p) for _, m in modules for _, p in
                                      m.named_parameters(recurse=False, remove_duplicate=False))
-        for name, m in model.named_modules():
+        for name, m in modules:
             if type(m) is not torch.nn.Linear or id(m.weight) not in param_ids:
                 continue
-            name = f"{name}.weight" if name else "weight"
+            name = (names or {}).get(id(m.weight)) or (f"{name}.weight" if name else "weight")
             if owners[id(m.weight)] > 1 or (m.bias is not None and owners[id(m.bias)] > 1):
                 self.shared.append(name)
                 continue

@@ -30,14 +30,20 @@ from cgx.torch.factor_capture import FactorCapture
 class FactorLayers:
     """The captured layers of one optimizer's parameters.
 
+    Args:
+        modules, names: as :class:`cgx.torch.factor_capture.FactorCapture` takes them.
+        params, index: the optimizer's trainable parameters and id -> their index.
+        owner: the optimizer (the hooks go when it does).
+
     Attributes:
         weights: indices (in the optimizer's parameter list) of the captured weights.
         biases: weight index -> index of its trainable bias.
         used: the last step's: layer name -> whether it travelled as factors.
     """
 
-    def __init__(self, model: torch.nn.Module, params: list, index: dict, owner) -> None:
-        self.capture = FactorCapture(model, {id(p) for p in params})
+    def __init__(self, modules, params: list, index: dict, owner,
+                 names: Optional[dict] = None) -> None:
+        self.capture = FactorCapture(modules, {id(p) for p in params}, names)
         # Without the optimizer (``owner``), the hooks would go on recording for nobody.
         self._release = weakref.finalize(owner, self.capture.remove)
         self.weights = [i for i, p in enumerate(params) if id(p) in self.capture.captures]

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import threading
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -46,12 +47,13 @@ from cgx.exchange.step import StepRecorder
 from cgx import session
 from cgx.torch import join
 from cgx.torch.bucket_exchange import BucketExchange, Layout, make_buckets, step_signature
+from cgx.torch.factor_discovery import FactorDiscovery
 from cgx.torch.factor_layers import FactorLayers
 from cgx.torch.grad_hooks import GradHooks
 from cgx.torch.sparse_gradients import SparseGradients
 from cgx.torch.plan_views import PlanViews
 from cgx.torch.wrapped_optimizer import WrappedOptimizer
-from cgx.ops import Average
+from cgx.ops import Average, group_size
 from cgx.process_sets import global_process_set
 
 STATE_FORMAT = 1
@@ -89,7 +91,10 @@ class DistributedOptimizer(PlanViews, WrappedOptimizer):
         rules: per-layer rules (dict, list or YAML path, see ``cgx.rules``).
         sufficient_factors: the model, to exchange the weight gradients of its
             ``nn.Linear`` layers as sufficient factors (Poseidon) whenever that moves
-            fewer bytes and is exact; see ``cgx.torch.factor_layers``.
+            fewer bytes and is exact; see ``cgx.torch.factor_layers``. Not given, the
+            deciding default (and ``Compression.planned()``) finds the layers in the
+            first step (``cgx.torch.factor_discovery``) and weighs factors in its
+            trials; ``False`` turns that off.
 
     Example::
 
@@ -101,7 +106,7 @@ class DistributedOptimizer(PlanViews, WrappedOptimizer):
                  compression=Compression.none, backward_passes_per_step: int = 1,
                  op=Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                  groups=None, sparse_as_dense: bool = False, process_set=global_process_set,
-                 *, rules=None, sufficient_factors: "torch.nn.Module | None" = None):
+                 *, rules=None, sufficient_factors: "torch.nn.Module | bool | None" = None):
         _check_types(optimizer, sufficient_factors)
         if isinstance(groups, int):  # Horovod's spelling of num_groups
             num_groups, groups = groups, None
@@ -125,7 +130,13 @@ class DistributedOptimizer(PlanViews, WrappedOptimizer):
         self._lock = threading.RLock()
         self._sparse = SparseGradients(self._opts.sparse_as_dense)
         self._factors: Optional[FactorLayers] = None
+        self._found: list = []  # the layers factor discovery found: (name, module)
+        self._discovery: Optional[FactorDiscovery] = None
         self._setup()
+        if self._factor_model is None and self._plan.planned is not None and \
+                group_size(self._opts.group) > 1:
+            self._discovery = FactorDiscovery(self._exchange.layout.params)
+            weakref.finalize(self, self._discovery.remove)
 
     # -- construction -------------------------------------------------------------
 
@@ -183,8 +194,22 @@ class DistributedOptimizer(PlanViews, WrappedOptimizer):
         if self._factors is not None:
             self._factors.remove()
         self._factors = None
-        if self._factor_model is not None:
-            self._factors = FactorLayers(self._factor_model, params, self._index, self)
+        if isinstance(self._factor_model, torch.nn.Module):
+            self._factors = FactorLayers(self._factor_model.named_modules(), params,
+                                         self._index, self)
+        elif self._found:
+            self._factors = FactorLayers(self._found, params, self._index, self, self._names)
+
+    def _finish_discovery(self) -> None:
+        """After the first step: the layers found on every rank become the factor layers
+        (a collective; a joined rank's shadow step takes part too)."""
+        discovery, self._discovery = self._discovery, None
+        if discovery is not None:
+            self._found = discovery.finish(self._opts.group)
+            if self._found:  # laid out again, in the middle of a step: its flags stay
+                flags = self._should_sync, self._synchronized, self._auto_synced
+                self._setup()
+                self._should_sync, self._synchronized, self._auto_synced = flags
 
     def _trainable_changed(self) -> bool:
         """Did parameters get frozen or unfrozen since the buckets were built?"""
@@ -260,6 +285,7 @@ class DistributedOptimizer(PlanViews, WrappedOptimizer):
             if self._factors is not None:
                 self._factors.clear()
         self._synchronized = True
+        self._finish_discovery()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -357,13 +383,17 @@ class DistributedOptimizer(PlanViews, WrappedOptimizer):
     # -- join: shadow steps for ranks that ran out of data --------------------------------
 
     def shadow_step(self) -> None:
-        """Take part in one step of the other ranks with zero gradients (after join())."""
+        """Take part in one step of the other ranks with zero gradients (after join()). It
+        counts as a step: what the plan decides by the step count (the deciding default's
+        trials) stays the same on every rank."""
         with self._lock:
             exchange = self._exchange
             handles = exchange.shadow(self._step_count)
         for h in handles:
             h.wait(session.wait_timeout())
         exchange.reset()
+        self._step_count += 1
+        self._finish_discovery()
 
 
 def _check_types(optimizer, factor_model) -> None:
@@ -371,9 +401,9 @@ def _check_types(optimizer, factor_model) -> None:
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     check_wrapped_once(optimizer, DistributedOptimizer)
-    if factor_model is not None and not isinstance(factor_model, torch.nn.Module):
-        raise TypeError(f"sufficient_factors= takes the model (a torch.nn.Module), got "
-                        f"{type(factor_model).__name__}")
+    if factor_model not in (None, False) and not isinstance(factor_model, torch.nn.Module):
+        raise TypeError(f"sufficient_factors= takes the model (a torch.nn.Module) or False, "
+                        f"got {type(factor_model).__name__}")
 
 
 def _checked_format(extra: dict) -> dict:

@@ -139,7 +139,8 @@ def _resumable(rank, world, steps, saved=None):
         torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
         compression=hvd.Compression.planned(calibrate_steps=2, replan_every=2,
                                             drift_tolerance=1e-9, assume_gbit=0.001,
-                                            trials=False))
+                                            trials=False),
+        sufficient_factors=model)  # (found layers would be found again on resume: a step late)
     start, plan_on_load = 0, None
     if saved is not None:
         saved = saved[rank]
@@ -451,7 +452,8 @@ def _placed(rank, world, slow_gpu):
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), named_parameters=model.named_parameters(),
         compression=hvd.Compression.planned(calibrate_steps=2, assume_gbit=0.001, trials=False,
-                                            device_profile=profile))
+                                            device_profile=profile),
+        sufficient_factors=False)  # quantized tensors only
     g = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
         x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
