@@ -18,8 +18,11 @@ TRAIN = """
     hvd.init()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    # (factor discovery off: the rows checked are the buckets of every step; with it, the
+    # layers found in the first step travel in factor rows of their own from the second)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(),
+                                   sufficient_factors=False)
     class Writer:
         def __init__(self):
             self.rows = []

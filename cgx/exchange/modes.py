@@ -118,6 +118,10 @@ class Mode:
     def begin_step(self, step: int, red) -> None:
         """Start of ``step`` (engine thread, every rank): what the mode decides per step."""
 
+    def carry_step(self, old: "Mode") -> None:
+        """Take over ``old``'s view of the step under way (the same gradients, laid out
+        again in the middle of a step): what it decided at its begin_step still holds."""
+
     def reduce(self, red, call: Call) -> None:
         raise NotImplementedError
 
@@ -235,6 +239,11 @@ class Planned(Mode):
                 self.decider.propose(step, t, verbose, timeline, since)
             self._chosen = self.decider.plan_now(step, timeline)
         self._specs, self._where = self._travelling()
+
+    def carry_step(self, old: Mode) -> None:
+        if isinstance(old, Planned) and old.planned.names == self.planned.names:
+            self.last_step, self._chosen = old.last_step, old._chosen
+            self._specs, self._where = self._travelling()
 
     def _travelling(self) -> tuple:
         """The specs of the plan that travels, and where each CUDA tensor is quantized: the

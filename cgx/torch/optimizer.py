@@ -206,10 +206,13 @@ class DistributedOptimizer(PlanViews, WrappedOptimizer):
         discovery, self._discovery = self._discovery, None
         if discovery is not None:
             self._found = discovery.finish(self._opts.group)
-            if self._found:  # laid out again, in the middle of a step: its flags stay
-                flags = self._should_sync, self._synchronized, self._auto_synced
+            if self._found:  # laid out again, in the middle of a step: its flags and
+                # what the plan decided for it stay
+                flags, old = (self._should_sync, self._synchronized, self._auto_synced), \
+                    self._plan
                 self._setup()
                 self._should_sync, self._synchronized, self._auto_synced = flags
+                self._plan.reduction.carry_step(old.reduction)
 
     def _trainable_changed(self) -> bool:
         """Did parameters get frozen or unfrozen since the buckets were built?"""
