@@ -6,7 +6,9 @@
 # 1. If PYTHON already imports horovod 0.28.1 built for its torch and
 #    TensorFlow versions, with both controllers (Gloo, MPI), exit at once.
 # 2. Else, if WHEEL_CACHE_DIR holds a wheel built for this Python / torch /
-#    TensorFlow / MPI / CPU-architecture combination, pip-install it.
+#    TensorFlow / MPI / CPU-architecture combination, pip-install it. A cached
+#    wheel is used only if it matches the checksum recorded when it was stored
+#    and is a sound zip; a corrupt or half-written entry is removed and built again.
 # 3. Else download the 0.28.1 sdist from PyPI, patch it so it builds against
 #    torch >= 2.1 and recent TensorFlow on CPU (see docs/horovod.md), build a
 #    wheel against PYTHON's torch and TensorFlow (Gloo and MPI both compiled
@@ -125,19 +127,20 @@ fi
 
 install_wheel() {
   # With dependencies: horovod needs cloudpickle, psutil, pyyaml, packaging, cffi.
-  "$PY" -m pip install -q --force-reinstall --no-deps "$1"
-  "$PY" -m pip install -q "$1"
-  installed_ok || die "installed $1 but the check still fails; see: $PY -c 'import horovod.torch'"
+  "$PY" -m pip install -q --force-reinstall --no-deps "$1" \
+    && "$PY" -m pip install -q "$1" && installed_ok
 }
 
-shopt -s nullglob
-cached=("$WHEEL_DIR"/horovod-"$HOROVOD_VERSION"-*.whl)
-shopt -u nullglob
-if [ ${#cached[@]} -gt 0 ]; then
-  say "phase 2/5: installing cached wheel ${cached[0]}"
-  install_wheel "${cached[0]}"
-  say "done: horovod $HOROVOD_VERSION installed from cache in $((SECONDS - START)) s"
-  exit 0
+# A cache entry is trusted only whole (scripts/wheel_cache.py: the wheel, the checksum
+# written after it, both agreeing, a sound zip); anything else there is removed.
+WHEEL_CACHE="$(cd "$(dirname "$0")" && pwd)/wheel_cache.py"
+if cached=$("$PY" "$WHEEL_CACHE" find "$WHEEL_DIR"); then
+  if say "phase 2/5: installing cached wheel $cached" && install_wheel "$cached"; then
+    say "done: horovod $HOROVOD_VERSION installed from cache in $((SECONDS - START)) s"
+    exit 0
+  fi
+  say "the cached wheel installs but does not work here; removing it and building again"
+  rm -rf "$WHEEL_DIR"
 fi
 
 # ---- build -----------------------------------------------------------------
@@ -255,8 +258,8 @@ shopt -u nullglob
 [ ${#built[@]} -eq 1 ] || die "the build produced no horovod wheel; full log: $LOG"
 
 say "phase 5/5: caching and installing $(basename "${built[0]}")"
-mkdir -p "$WHEEL_DIR"
-cp "${built[0]}" "$WHEEL_DIR/.$(basename "${built[0]}").tmp"
-mv "$WHEEL_DIR/.$(basename "${built[0]}").tmp" "$WHEEL_DIR/$(basename "${built[0]}")"
-install_wheel "$WHEEL_DIR/$(basename "${built[0]}")"
+stored=$("$PY" "$WHEEL_CACHE" store "${built[0]}" "$WHEEL_DIR") \
+  || die "could not store the wheel in $WHEEL_DIR"
+install_wheel "$stored" \
+  || die "installed $stored but the check still fails; see: $PY -c 'import horovod.torch'"
 say "done: horovod $HOROVOD_VERSION built and installed in $((SECONDS - START)) s (wheel cached in $WHEEL_DIR)"

@@ -4,19 +4,24 @@
 # slow-link simulator), a C/C++ compiler and cmake (C extension, Horovod build),
 # and Chromium (tests/test_docs_browser.py opens the built site in it through
 # Playwright; Debian's package, so nothing is downloaded by `playwright install`).
+#   --demo: only what `make demo` needs (a C compiler for the extension).
 set -euo pipefail
 
 need=()
-command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
-[ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] \
-  || command -v mpicc >/dev/null 2>&1 || need+=(libopenmpi-dev)
-command -v tc >/dev/null 2>&1 || need+=(iproute2)
-command -v gcc >/dev/null 2>&1 || need+=(gcc)
-command -v g++ >/dev/null 2>&1 || need+=(g++)
-command -v cmake >/dev/null 2>&1 || need+=(cmake)
-command -v make >/dev/null 2>&1 || need+=(make)
-command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
-  || need+=(chromium)
+if [ "${1:-}" = --demo ]; then
+  command -v gcc >/dev/null 2>&1 || need+=(gcc)
+else
+  command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
+  [ -e /usr/include/x86_64-linux-gnu/openmpi/mpi.h ] || [ -e /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h ] \
+    || command -v mpicc >/dev/null 2>&1 || need+=(libopenmpi-dev)
+  command -v tc >/dev/null 2>&1 || need+=(iproute2)
+  command -v gcc >/dev/null 2>&1 || need+=(gcc)
+  command -v g++ >/dev/null 2>&1 || need+=(g++)
+  command -v cmake >/dev/null 2>&1 || need+=(cmake)
+  command -v make >/dev/null 2>&1 || need+=(make)
+  command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+    || need+=(chromium)
+fi
 
 [ ${#need[@]} -eq 0 ] && exit 0
 

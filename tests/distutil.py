@@ -105,11 +105,7 @@ def have_horovodrun() -> bool:
     return horovodrun_command() is not None and have_mpirun()
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port  # noqa: E402,F401 (the tests import it from here)
 
 
 def run_ranks(code: Optional[str] = None, *, path: Optional[str] = None, nprocs: int = 2,

@@ -6,33 +6,37 @@ a Gloo process group on 127.0.0.1 with a free port, calls
 (anything ``torch.save`` can store). A hang fails after ``timeout`` seconds.
 
 Ranks are forked from a server process that has imported torch (and torch._dynamo,
-which the first optimizer imports) once (start method "forkserver"): a launch costs
-about 0.1 s instead of the 4-5 s of importing both in fresh interpreters. Each rank takes the caller's environment and working
-directory as they are at the call (the server's are those of its start).
+which the first optimizer imports, and TensorFlow with Keras where installed) once
+(start method "forkserver"): a launch costs about 0.1-0.3 s instead of the 4-5 s of
+importing torch and the 5 s more of TensorFlow in fresh interpreters. Each rank takes the
+caller's environment and working directory as they are at the call (the server's are
+those of its start).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import os
-import socket
 import tempfile
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
+from ports import free_port  # noqa: F401 (the tests import it from here too)
+
 # Imported once by the server the ranks are forked from (it starts at the first launch).
 # torch._dynamo: the first torch.optim optimizer a rank creates imports it (2-3 s, more
 # on a loaded machine); FSDP2 imports DTensor and dynamo too.
-multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp",
-                                        "torch._dynamo"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# TensorFlow and Keras too where installed (about 5 s of imports a Keras rank no longer pays),
+# Triton before them: its LLVM loaded after TensorFlow crashes the process (see
+# cgx.tensorflow._load_triton_first). The server makes no eager context and runs no op:
+# a forked rank initializes TensorFlow as a fresh process would (the Keras tests show it).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch._dynamo"]
+if importlib.util.find_spec("tensorflow") is not None:
+    _PRELOAD += ["triton", "tensorflow", "keras"]
+multiprocessing.set_forkserver_preload(_PRELOAD)
 
 
 def _entry(rank, world, port, outdir, caller, fn, args):

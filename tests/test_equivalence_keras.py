@@ -19,6 +19,7 @@ def reference():
     return run_patterns("patterns_keras", PATTERNS, world=1)
 
 
+@pytest.mark.smoke  # the Keras smoke of `make test-fast`
 def test_keras_patterns_match_the_single_process_reference(reference):
     assert_equivalent(run_patterns("patterns_keras", PATTERNS, world=2), reference)
 

@@ -19,8 +19,9 @@ def reference():
 
 # Every variant on 2 ranks; on 3 (uneven chunks) the plain exchange and the factors: the
 # auto and planned variants restricted to exact options reduce through the same path.
-CASES = [(2, v) for v in VARIANTS] + [(3, v) for v in VARIANTS
-                                     if v in ("plain", "sfb", "decide-found")]
+# (2, "plain") is the PyTorch smoke of `make test-fast`.
+CASES = [pytest.param(2, v, marks=[pytest.mark.smoke] if v == "plain" else [])
+         for v in VARIANTS] + [(3, v) for v in VARIANTS if v in ("plain", "sfb", "decide-found")]
 
 
 @pytest.mark.parametrize("world,variant", CASES)

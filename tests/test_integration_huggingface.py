@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,17 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / "examples" / "huggingface_trainer.py"
 ACCELERATE = ROOT / "examples" / "accelerate_ddp.py"
 TIMEOUT_S = 180
 SHORT = ("--max-steps", "6", "--save-steps", "3")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -52,7 +48,7 @@ def _launch(cmd: list, cwd: Path) -> str:
 
 def torchrun(script: Path, *args, cwd: Path) -> str:
     return _launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                    "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                    "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                     str(script), *map(str, args)], cwd)
 
 
@@ -63,7 +59,7 @@ def accelerate_launch(script: Path, *args, cwd: Path) -> str:
     return _launch([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
                     "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                     "--dynamo_backend", "no", "--main_process_ip", "127.0.0.1",
-                    "--main_process_port", str(_free_port()), str(script), "--cpu",
+                    "--main_process_port", str(free_port()), str(script), "--cpu",
                     *map(str, args)], cwd)
 
 

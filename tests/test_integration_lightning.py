@@ -11,13 +11,14 @@ from __future__ import annotations
 import csv
 import io
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "lightning_ddp.py"
@@ -32,18 +33,13 @@ def _launch(tmp: Path, *args: str, torchrun: bool = False) -> subprocess.Complet
     for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         env.pop(var, None)  # a fresh job
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1", "--master-port", str(_free_port())] \
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())] \
         if torchrun else [sys.executable]
     return subprocess.run([*launcher, str(EXAMPLE), "--max-steps", str(STEPS),
                            "--log-dir", str(tmp / "logs"), "--out", str(tmp / "out"), *args],
                           cwd=tmp, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                           text=True, timeout=TIMEOUT)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ok(run: subprocess.CompletedProcess) -> str:

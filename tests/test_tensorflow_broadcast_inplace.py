@@ -19,10 +19,18 @@ def _reports(launcher, impl, nprocs, launcher_args=()):
                      timeout=300).check()
 
 
-@pytest.mark.parametrize("nprocs", [3])
-def test_every_rank_holds_the_roots_values(nprocs):
-    for rank, report in enumerate(_reports("cgxrun-gloo", "cgx", nprocs)):
-        assert len(report) == nprocs * 5 * 4  # roots x dtypes x (ref, resource, eager, function)
+NPROCS = 3  # roots 0, 1 and 2: a root that is neither the first nor the last rank
+
+
+@pytest.fixture(scope="module")
+def cgx_reports():
+    """cgx's run, once for both tests (a TensorFlow world costs 5 s of imports a rank)."""
+    return _reports("cgxrun-gloo", "cgx", NPROCS)
+
+
+def test_every_rank_holds_the_roots_values(cgx_reports):
+    for rank, report in enumerate(cgx_reports):
+        assert len(report) == NPROCS * 5 * 4  # roots x dtypes x (ref, resource, eager, function)
         for key, (returned, held, *dtype) in report.items():
             root = int(key.rsplit("-", 1)[1])
             want = root % 2 == 1 if "bool" in key else root
@@ -31,7 +39,6 @@ def test_every_rank_holds_the_roots_values(nprocs):
             assert held == returned, f"rank {rank}, {key}: the variable holds {held}"
 
 
-def test_the_same_as_horovod(horovodrun):
-    theirs = _reports("horovodrun", "horovod", 2, launcher_args=["--gloo"])
-    mine = _reports("cgxrun-gloo", "cgx", 2)
-    assert mine == theirs
+def test_the_same_as_horovod(horovodrun, cgx_reports):
+    theirs = _reports("horovodrun", "horovod", NPROCS, launcher_args=["--gloo"])
+    assert cgx_reports == theirs

@@ -51,7 +51,7 @@ _REDUCE_VIA = {torch.bfloat16: torch.float32}
 _TRANSPORTS_PER_SET: dict = {}
 
 _BUILD_HINT = ("Build and install it for this environment with `make horovod` "
-               "(or scripts/build-horovod.sh PYTHON .cache/wheels); see docs/horovod.md.")
+               "(or scripts/build-horovod.sh PYTHON ~/.cache/cgx/wheels); see docs/horovod.md.")
 
 
 class HorovodMissingError(MissingDependencyError):
