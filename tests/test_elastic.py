@@ -4,7 +4,9 @@ The real multi-rank runs (a killed rank, a joining host) are in test_elastic_tra
 
 from __future__ import annotations
 
+import dataclasses
 import stat
+import types
 import sys
 
 import pytest
@@ -26,6 +28,43 @@ def test_elastic_env_round_trip_and_absent():
                       reset_limit=3, host="127.0.0.2", timeout_s=30)
     assert ElasticEnv.from_env(spec.as_env()) == spec
     assert ElasticEnv.from_env({}) is None
+    first = dataclasses.replace(spec, first_np=3)
+    assert ElasticEnv.from_env(first.as_env()) == first
+
+
+def test_the_first_ranks_first_world_waits_for_all_of_them(monkeypatch):
+    """The driver marks the ranks it starts with the job (-np of them); their first
+    rendezvous completes only with all of them (a late starter is waited for), later ones
+    with --min-np; a rank started later (a new host) waits for --min-np from the first."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from cgx.launch.elastic import Driver
+    from cgx.launch.elastic_env import FIRST_VAR
+    from cgx.launch.membership import Membership
+
+    started = []
+    monkeypatch.setattr("cgx.launch.elastic.subprocess.Popen",
+                        lambda cmd, env: started.append(env) or types.SimpleNamespace(pid=1))
+    driver = Driver(3, ["train.py"], {}, ElasticSpec(min_np=2, max_np=4),
+                    [Host("localhost", 4)], print)
+    for _ in range(4):
+        driver._start("localhost")
+    assert [e.get(FIRST_VAR) for e in started] == ["3", "3", "3", None]
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    base = ElasticEnv(addr="127.0.0.1", port=server.port, run_id="job", min_np=2, max_np=4)
+    first = Membership(dataclasses.replace(base, first_np=3))
+    assert first._handler._settings.min_nodes == 3
+    later = Membership(base)
+    assert later._handler._settings.min_nodes == 2
+    first._set_min_nodes(2)  # what join() does once its first world formed
+    assert first._handler._settings.min_nodes == 2
+    # one settings object: the executor and the state holder read the same number
+    assert first._handler._op_executor._settings.min_nodes == 2
+    assert first._handler._state_holder._settings.min_nodes == 2
 
 
 @pytest.mark.parametrize("env, needle", [

@@ -159,8 +159,10 @@ class Driver:
     # -- ranks -------------------------------------------------------------------------
     def _start(self, host: str) -> None:
         env = dict(self.env)
-        from cgx.launch.elastic_env import HOST_VAR
+        from cgx.launch.elastic_env import FIRST_VAR, HOST_VAR
         env[HOST_VAR] = host
+        if self.started < self.num_proc:  # one of the job's first ranks: see FIRST_VAR
+            env[FIRST_VAR] = str(self.num_proc)
         proc = subprocess.Popen(self.command, env=env)
         self.ranks.append(_Rank(host, proc))
         self.started += 1

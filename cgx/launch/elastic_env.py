@@ -20,6 +20,9 @@ MAX_VAR = "CGX_ELASTIC_MAX_NP"  # most ranks a world may have
 RESET_LIMIT_VAR = "CGX_ELASTIC_RESET_LIMIT"  # most resets a rank goes through (unset: no limit)
 HOST_VAR = "CGX_ELASTIC_HOST"  # the host this rank was started for (as the driver names it)
 TIMEOUT_VAR = "CGX_ELASTIC_TIMEOUT_S"  # how long a rank waits for a world to form
+# the ranks the driver started at the job's start (set on those only): their first world
+# waits for all of them, as horovodrun's first rendezvous does, not only for --min-np
+FIRST_VAR = "CGX_ELASTIC_FIRST_NP"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,7 @@ class ElasticEnv:
     reset_limit: Optional[int] = None
     host: str = "localhost"
     timeout_s: float = 600.0
+    first_np: Optional[int] = None  # set for the ranks started with the job
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> Optional["ElasticEnv"]:
@@ -61,7 +65,7 @@ class ElasticEnv:
                    min_np=min_np, max_np=max_np,
                    reset_limit=int(limit) if limit else None,
                    host=env.get(HOST_VAR, "localhost") or "localhost",
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, first_np=_count(env, FIRST_VAR, None))
 
     def as_env(self) -> dict[str, str]:
         """The variables that give a rank this (the driver's side of :meth:`from_env`)."""
@@ -70,6 +74,8 @@ class ElasticEnv:
                TIMEOUT_VAR: f"{self.timeout_s:g}"}
         if self.reset_limit is not None:
             env[RESET_LIMIT_VAR] = str(self.reset_limit)
+        if self.first_np is not None:
+            env[FIRST_VAR] = str(self.first_np)
         return env
 
 

@@ -72,6 +72,13 @@ class Membership:
                                       close=datetime.timedelta(seconds=10)),
             keep_alive_interval=KEEP_ALIVE_S,  # type: ignore[arg-type] - seconds, a float
             keep_alive_max_attempt=KEEP_ALIVE_MISSES)
+        # One of the job's first ranks: its first world waits for all of them (within the
+        # join timeout), so that a rank that starts late is waited for, not formed around
+        # and then joined at the next commit. torch's settings are one frozen object that
+        # the handler, its executor and its state holder share; set back after that world.
+        self._first = min(max(spec.first_np or 0, spec.min_np), spec.max_np)
+        self._settings = self._handler._settings
+        self._set_min_nodes(self._first)
         self.rounds = 0  # worlds this process has been part of
         self.round = 0  # the rendezvous round of this process's world (0: the first)
         self._members: set = set()  # the world's nodes in the rendezvous
@@ -108,10 +115,15 @@ class Membership:
                 f"--start-timeout; a world short of ranks needs more slots or a lower "
                 f"--min-np") from e
         self.rounds += 1
+        self._set_min_nodes(self.spec.min_np)
         state = self._state()
         self.round = state.round if state is not None else self.rounds - 1
         self._members = set(state.participants) if state is not None else set()
         return Round(world=_world(info.rank, info.world_size, self.spec), store=info.store)
+
+    def _set_min_nodes(self, n: int) -> None:
+        if self._settings.min_nodes != n:
+            object.__setattr__(self._settings, "min_nodes", n)
 
     def waiting(self) -> int:
         """Ranks waiting to join the next world (read from the store)."""
