@@ -21,7 +21,7 @@ g = torch.Generator().manual_seed(hvd.rank())
 x = torch.randn(256, 32, generator=g)
 y = (x[:, :10] * 3).argmax(1)
 losses = []
-for step in range(80):  # the default, the deciding exchange, decides within these
+for step in range(120):  # the default, the deciding exchange, decides within these
     opt.zero_grad()
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
