@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from cgx import console
 from cgx.comm import factory
 from cgx.config import Config, TransportKind
-from cgx.errors import ConfigError, NotInitializedError
+from cgx.errors import CGXError, ConfigError, NotInitializedError
 from cgx.launch import exit_record
 from cgx.launch.rendezvous import exit_failing
 from cgx.launch.layout import adopt_group, layout_row, node_layout
@@ -133,16 +133,7 @@ def init(config: Optional[Config] = None, *,
             return
         config = _config_arg(config)
         kind, given = _resolve_transport_arg(transport, config)
-        world, kind, conn = _join(config, kind, given, device)             # 1-2. who, connect
-        try:
-            world, local, cross = _layout(world, conn.transport)             # 3. node layout
-            if world.size > 1:  # 4. same settings everywhere (CGX_CHECK_CONSISTENCY too)
-                from cgx.comm.consistency import agree_config
-                agree_config(conn.transport, config)
-        except BaseException:
-            if given is None:  # a transport the caller made stays the caller's
-                factory.close(conn.transport, conn.owns_process_group)
-            raise
+        world, kind, conn, local, cross = _join(config, kind, given, device)  # 1-4.
         log = lambda msg: _log(config, world, msg)  # noqa: E731
         _state = _State(world=world, config=config, kind=kind, transport=conn.transport,
                         local=local, cross=cross, owns_process_group=conn.owns_process_group,
@@ -172,19 +163,44 @@ ELASTIC_TRIES = 5  # worlds an elastic rank tries to connect in before it gives 
 
 
 def _join(config: Config, kind: TransportKind, given, device):
-    """(world, engine, Connection). In an elastic job, a world whose groups cannot form (a
-    rank lost meanwhile) is left for the next one, ``ELASTIC_TRIES`` times at most."""
+    """(world, engine, Connection, local, cross). In an elastic job, a world whose groups
+    cannot form or agree (a rank lost meanwhile) is left for the next one,
+    ``ELASTIC_TRIES`` times at most."""
     for attempt in range(1, ELASTIC_TRIES + 1):
-        world, store = _discover()
+        world, store = _discover()                                          # 1. who
         try:
-            kind_used, conn = _connect(world, config, kind, given, device, store)
-            return world, kind_used, conn
+            kind_used, conn = _connect(world, config, kind, given, device, store)  # 2.
         except RuntimeError as e:
             if store is None or attempt == ELASTIC_TRIES:
                 raise
-            print(f"[cgx] elastic: the world of {world.size} did not form ({e}); joining the "
-                  f"next one", file=sys.stderr, flush=True)
+            _next_world(world, e)
+            continue
+        try:
+            world, local, cross = _settle(world, conn, config)              # 3-4.
+            return world, kind_used, conn, local, cross
+        except BaseException as e:
+            if given is None:  # a transport the caller made stays the caller's
+                factory.close(conn.transport, conn.owns_process_group)
+            lost = isinstance(e, RuntimeError) and not isinstance(e, CGXError)
+            if store is None or attempt == ELASTIC_TRIES or not lost:
+                raise
+            _next_world(world, e)
     raise AssertionError("unreachable")
+
+
+def _settle(world: WorldInfo, conn, config: Config):
+    """(world, local, cross): the node layout (3), and the same settings everywhere (4;
+    ``CGX_CHECK_CONSISTENCY`` adds more)."""
+    world, local, cross = _layout(world, conn.transport)
+    if world.size > 1:
+        from cgx.comm.consistency import agree_config
+        agree_config(conn.transport, config)
+    return world, local, cross
+
+
+def _next_world(world: WorldInfo, e: BaseException) -> None:
+    print(f"[cgx] elastic: the world of {world.size} did not form ({e}); joining the "
+          f"next one", file=sys.stderr, flush=True)
 
 
 def _discover() -> tuple[WorldInfo, object]:

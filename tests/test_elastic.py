@@ -335,3 +335,47 @@ def test_the_recovery_benchmark_reads_its_logs_into_figures():
                       {"run": "elastic-kill", "exit": 0, "wall_s": 16.0, "to_target_s": 14.0,
                        "kills_at_s": [1.0, 2.0, 3.0]}], args)
     assert "| elastic-kill | 0 | 16.0 | 14.0 | 3 | 2.0 | 2.0 |" in md
+
+
+def test_a_world_that_breaks_while_it_settles_is_left_for_the_next(monkeypatch, capsys):
+    """A rank lost after the groups connected but before the layout was agreed: the
+    others close that world's transport and join the next one (not exit)."""
+    from cgx import runtime
+    from cgx.comm import factory
+    worlds = iter([types.SimpleNamespace(size=3), types.SimpleNamespace(size=2)])
+    closed, settled = [], []
+    monkeypatch.setattr(runtime, "_discover", lambda: (next(worlds), object()))
+    monkeypatch.setattr(runtime, "_connect", lambda world, *a: (
+        "torch", factory.Connection(transport=f"transport of {world.size}")))
+    monkeypatch.setattr(factory, "close", lambda tr, owns: closed.append(tr))
+
+    def settle(world, conn, config):
+        settled.append(world.size)
+        if world.size == 3:
+            raise RuntimeError("Connection closed by peer")
+        return world, "local", "cross"
+
+    monkeypatch.setattr(runtime, "_settle", settle)
+    world, kind, conn, local, cross = runtime._join(None, None, None, None)
+    assert (world.size, conn.transport, settled, closed) == \
+        (2, "transport of 2", [3, 2], ["transport of 3"])
+    assert "the world of 3 did not form (Connection closed by peer); joining the next one" \
+        in capsys.readouterr().err
+
+
+def test_a_settings_mismatch_is_raised_not_retried(monkeypatch):
+    from cgx import runtime
+    from cgx.comm import factory
+    monkeypatch.setattr(runtime, "_discover", lambda: (types.SimpleNamespace(size=2), object()))
+    monkeypatch.setattr(runtime, "_connect", lambda *a: ("torch", factory.Connection("t")))
+    monkeypatch.setattr(factory, "close", lambda tr, owns: None)
+    calls = []
+
+    def settle(*a):
+        calls.append(1)
+        raise CollectiveMismatchError("ranks differ")
+
+    monkeypatch.setattr(runtime, "_settle", settle)
+    with pytest.raises(CollectiveMismatchError):
+        runtime._join(None, None, None, None)
+    assert calls == [1]

@@ -31,6 +31,15 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchft_ddp.py"
 STEPS = 160
 DEADLINE_S = 200
 PARAMS = 64 * 128 + 128 + 128 * 10 + 10  # the example's MLP
+STANDBY = """
+import os, runpy, sys, time
+import sklearn.datasets, torch, torchft.manager, cgx.torch, cgx.integrations.torchft
+go, example = sys.argv[1:3]
+while not os.path.exists(go):
+    time.sleep(0.02)
+sys.argv = [example, *sys.argv[3:]]
+runpy.run_path(example, run_name="__main__")
+"""
 
 
 class Replicas:
@@ -41,11 +50,15 @@ class Replicas:
         self.procs: dict = {}
         self.start = time.monotonic()
 
-    def launch(self, replica: int) -> subprocess.Popen:
-        cmd = [sys.executable, str(EXAMPLE), "--replica-id", str(replica), "--lighthouse",
-               self.lighthouse, "--steps", str(STEPS), "--step-sleep", "0.03",
-               "--compression", self.compression, "--bucket-cap-mb", "0.008",
-               "--log", str(self.log)]
+    def launch(self, replica: int, go: Path | None = None) -> subprocess.Popen:
+        """The example as replica group ``replica``; with ``go``, a stand-by that has
+        imported torch, torchft and cgx and starts the example once ``go`` exists (so that
+        a restart under load is not slower than the survivor's remaining steps)."""
+        args = ["--replica-id", str(replica), "--lighthouse", self.lighthouse, "--steps",
+                str(STEPS), "--step-sleep", "0.03", "--compression", self.compression,
+                "--bucket-cap-mb", "0.008", "--log", str(self.log)]
+        cmd = [sys.executable, str(EXAMPLE), *args] if go is None else \
+            [sys.executable, "-c", STANDBY, str(go), str(EXAMPLE), *args]
         out = open(self.tmp / f"replica{replica}-{len(self.procs)}.txt", "w")
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -101,6 +114,8 @@ def test_a_killed_replica_group_heals_from_its_peer_and_the_exchange_stays_compr
     try:
         run.launch(0)
         victim = run.launch(1)
+        go = tmp_path / "go"
+        run.launch(1, go=go)  # the restart, standing by
         run.wait_for("both groups training together", lambda r: any(
             x["participants"] == 2 and x["step"] >= 25 for (rep, _), rs in r.items()
             if rep == 1 for x in rs))
@@ -110,7 +125,7 @@ def test_a_killed_replica_group_heals_from_its_peer_and_the_exchange_stays_compr
         run.wait_for("the survivor going on alone", lambda r: any(
             x["participants"] == 1 and x["step"] >= killed_at + 10
             for (rep, _), rs in r.items() if rep == 0 for x in rs))
-        run.launch(1)
+        go.touch()  # the killed group starts again
         for (replica, _), proc in list(run.procs.items()):
             if proc.poll() is None or replica == 0:
                 assert proc.wait(max(1, DEADLINE_S - (time.monotonic() - run.start))) == 0, \
