@@ -29,6 +29,7 @@ ratio whose min-max over the pairs spans 1 is reported as a tie.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -164,6 +165,15 @@ def _gpu_name() -> str:
     return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
 
 
+# png path -> digest of the records it was drawn from: a write after a run redraws only
+# the plot of that run's scenario (drawing one takes most of a second)
+_PLOTTED: dict[str, str] = {}
+
+
+def _digest(value) -> str:
+    return hashlib.sha1(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def write_outputs(records: list[dict[str, Any]], args, argv: list[str]) -> str:
     out = args.out
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
@@ -183,8 +193,11 @@ def write_outputs(records: list[dict[str, Any]], args, argv: list[str]) -> str:
         table, times = report.scenario_table(recs, args.slack)
         summary[title] = times
         png = f"{out}-{'-'.join(str(k) for k in key)}.png"
-        if any("curve" in r for r in recs):
+        drawn_from = _digest([recs, args.slack])
+        if any("curve" in r for r in recs) and (
+                _PLOTTED.get(png) != drawn_from or not os.path.exists(png)):
             report.plot_scenario(recs, times["target_loss"], title, png)
+            _PLOTTED[png] = drawn_from
         lines += [f"### {title}", ""]
         if key[1] == "2x2":
             lines += ["4 ranks share the 2 cores here: every step's compute takes about twice "
