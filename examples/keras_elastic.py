@@ -65,7 +65,9 @@ class StepLog(keras.callbacks.Callback):
                 "pid": os.getpid(), "rank": hvd.rank(), "size": hvd.size(),
                 "step": int(self.model.optimizer.iterations.numpy()),
                 "loss": float(logs["loss"]), "digest": digest(self.model),
-                "epoch": self.state.epoch, "commits": self.state.commits,
+                "epoch": self.state.epoch, "host": os.environ.get("HOROVOD_HOSTNAME"),
+                "start_rank": int(os.environ.get("HOROVOD_RANK", "-1")),
+                "commits": self.state.commits,
                 "dropped": self.state.dropped_owed, "t": time.time()}) + "\n")
             self.out.flush()
         time.sleep(self.pause)

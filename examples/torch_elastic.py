@@ -90,6 +90,9 @@ def main():
                     log.write(json.dumps({"pid": os.getpid(), "rank": hvd.rank(),
                                           "size": hvd.size(), "step": state.step,
                                           "loss": loss.item(), "digest": digest(model),
+                                          "host": os.environ.get("HOROVOD_HOSTNAME"),
+                                          "start_rank": int(os.environ.get("HOROVOD_RANK",
+                                                                           "-1")),
                                           "commits": state.commits,
                                           "dropped": state.dropped_owed,
                                           "t": time.time()}) + "\n")

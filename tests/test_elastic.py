@@ -49,8 +49,8 @@ def test_the_first_ranks_first_world_waits_for_all_of_them(monkeypatch):
                         lambda cmd, env: started.append(env) or types.SimpleNamespace(pid=1))
     driver = Driver(3, ["train.py"], {}, ElasticSpec(min_np=2, max_np=4),
                     [Host("localhost", 4)], print)
-    for _ in range(4):
-        driver._start("localhost")
+    driver._fill(3)
+    driver._fill(4)
     assert [e.get(FIRST_VAR) for e in started] == ["3", "3", "3", None]
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -65,6 +65,46 @@ def test_the_first_ranks_first_world_waits_for_all_of_them(monkeypatch):
     # one settings object: the executor and the state holder read the same number
     assert first._handler._op_executor._settings.min_nodes == 2
     assert first._handler._state_holder._settings.min_nodes == 2
+
+
+def test_each_started_rank_gets_horovodruns_worker_variables(monkeypatch):
+    """As horovodrun's driver sets them (gloo_run.create_slot_env_vars), for the host
+    assignment at the rank's start: hosts in their order, slots in order within a host."""
+    from cgx.launch.elastic import Driver
+    started = []
+    monkeypatch.setattr("cgx.launch.elastic.subprocess.Popen",
+                        lambda cmd, env: started.append(env) or types.SimpleNamespace(
+                            pid=len(started), poll=lambda: None))
+    driver = Driver(3, ["train.py"], {}, ElasticSpec(min_np=2, max_np=5),
+                    [Host("localhost", 2), Host("127.0.0.1", 2)], print)
+    driver._fill(3)
+    keys = ("HOROVOD_HOSTNAME", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
+            "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+    rows = [tuple(e[k] for k in keys) for e in started]
+    assert rows == [("localhost", "0", "3", "0", "2", "0", "2"),
+                    ("localhost", "1", "3", "1", "2", "0", "1"),
+                    ("127.0.0.1", "2", "3", "0", "1", "1", "2")]
+    assert all(e["HOROVOD_ELASTIC"] == "1" for e in started)
+    # a rank lost on localhost: its replacement takes the freed slot (a world of 4, the
+    # freed slot on the second host too), then a host that discovery adds (a world of 5)
+    driver.ranks = [r for r in driver.ranks if r.proc.pid != 1]
+    driver._fill(4)
+    assert [tuple(e[k] for k in keys) for e in started[3:]] == [
+        ("localhost", "0", "4", "0", "2", "0", "2"), ("127.0.0.1", "3", "4", "1", "2", "1", "2")]
+    driver.hosts = (*driver.hosts, Host("127.0.0.9", 1))
+    driver._fill(5)
+    assert [tuple(e[k] for k in keys) for e in started[5:]] == [
+        ("127.0.0.9", "4", "5", "0", "1", "2", "3")]
+
+
+def test_the_assignment_numbers_slots_as_horovodrun_does():
+    from cgx.launch.slots import assign, free_slot
+    got = assign([("b", 0), ("a", 1), ("a", 0), ("c", 0)], ["a", "b", "c"])
+    assert [(i.hostname, i.rank, i.local_rank, i.cross_rank, i.cross_size)
+            for i in sorted(got.values(), key=lambda i: i.rank)] == [
+        ("a", 0, 0, 0, 3), ("a", 1, 1, 0, 1), ("b", 2, 0, 1, 3), ("c", 3, 0, 2, 3)]
+    assert {i.size for i in got.values()} == {4}
+    assert (free_slot([]), free_slot([0, 1]), free_slot([1])) == (0, 2, 0)
 
 
 @pytest.mark.parametrize("env, needle", [

@@ -153,6 +153,12 @@ def _survives_a_kill_and_takes_a_join(run: ElasticRun) -> None:
     rows = run.rows()
     joiner = next(p for p in rows if p not in survivors)
     assert {r["size"] for r in rows[joiner]} == {3}
+    # horovodrun's worker variables at each rank's start: the first three on the three
+    # hosts as ranks 0-2; the joiner on the added host, rank 2 of the hosts left (.1, .3)
+    started = {p: (rows[p][0]["host"], rows[p][0]["start_rank"]) for p in rows}
+    assert sorted(v for p, v in started.items() if p != joiner) == [
+        ("127.0.0.1", 0), ("127.0.0.2", 1), ("127.0.0.3", 2)]
+    assert started[joiner] == ("127.0.0.4", 2)
     assert "127.0.0.2 takes no ranks" in err and "signal 9" in err
     complete = _check_identical(rows)
     assert complete > 50

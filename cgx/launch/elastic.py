@@ -39,6 +39,7 @@ import time
 from typing import Callable, Mapping, Optional, Sequence
 
 from cgx.launch.addresses import is_local_host
+from cgx.launch.slots import SlotInfo, assign, free_slot
 from cgx.launch.spec import ElasticSpec, Host, UsageError
 
 POLL_S = 0.2
@@ -111,6 +112,7 @@ def run_discovery(script: str, timeout: float = DISCOVERY_TIMEOUT_S) -> tuple[Ho
 class _Rank:
     host: str
     proc: subprocess.Popen
+    slot: int = 0  # its place among its host's slots (HOROVOD_LOCAL_RANK at its start)
 
 
 class Driver:
@@ -157,14 +159,15 @@ class Driver:
         return free
 
     # -- ranks -------------------------------------------------------------------------
-    def _start(self, host: str) -> None:
+    def _start(self, host: str, slot: int, info: SlotInfo) -> None:
         env = dict(self.env)
         from cgx.launch.elastic_env import FIRST_VAR, HOST_VAR
+        env.update(info.env())  # horovodrun's worker variables (cgx.launch.slots)
         env[HOST_VAR] = host
         if self.started < self.num_proc:  # one of the job's first ranks: see FIRST_VAR
             env[FIRST_VAR] = str(self.num_proc)
         proc = subprocess.Popen(self.command, env=env)
-        self.ranks.append(_Rank(host, proc))
+        self.ranks.append(_Rank(host, proc, slot))
         self.started += 1
         if self.started > self.num_proc:
             self.say(f"started a rank on {host} (pid {proc.pid}); it joins at the next commit")
@@ -200,8 +203,15 @@ class Driver:
     def _fill(self, limit: int) -> None:
         if self.finishing:
             return
+        new = []
+        placed = [(r.host, r.slot) for r in self.ranks]
         for host in self._free_slots()[:max(0, limit - len(self.ranks))]:
-            self._start(host)
+            slot = free_slot(s for h, s in placed if h == host)
+            placed.append((host, slot))
+            new.append((host, slot))
+        infos = assign(placed, [h.name for h in self.hosts])
+        for host, slot in new:
+            self._start(host, slot, infos[host, slot])
 
     def _check_short(self) -> Optional[int]:
         """Fewer than min_np ranks and no slot for more: wait, then stop the job."""
