@@ -39,8 +39,9 @@ import time
 from typing import Callable, Mapping, Optional, Sequence
 
 from cgx.launch.addresses import is_local_host
-from cgx.launch.slots import SlotInfo, assign, free_slot
+from cgx.launch.slots import assign, free_slot, worker_env
 from cgx.launch.spec import ElasticSpec, Host, UsageError
+from cgx.launch.world import WorldInfo
 
 POLL_S = 0.2
 DISCOVERY_PERIOD_S = 1.0
@@ -159,10 +160,12 @@ class Driver:
         return free
 
     # -- ranks -------------------------------------------------------------------------
-    def _start(self, host: str, slot: int, info: SlotInfo) -> None:
+    def _start(self, slot: int, place: WorldInfo) -> None:
+        """A rank on ``place.hostname``'s ``slot``; ``place``: its horovodrun numbering."""
         env = dict(self.env)
         from cgx.launch.elastic_env import FIRST_VAR, HOST_VAR
-        env.update(info.env())  # horovodrun's worker variables (cgx.launch.slots)
+        host = place.hostname
+        env.update(worker_env(place))  # horovodrun's worker variables (cgx.launch.slots)
         env[HOST_VAR] = host
         if self.started < self.num_proc:  # one of the job's first ranks: see FIRST_VAR
             env[FIRST_VAR] = str(self.num_proc)
@@ -209,9 +212,11 @@ class Driver:
             slot = free_slot(s for h, s in placed if h == host)
             placed.append((host, slot))
             new.append((host, slot))
-        infos = assign(placed, [h.name for h in self.hosts])
+        if not new:
+            return
+        places = assign(placed, [h.name for h in self.hosts])
         for host, slot in new:
-            self._start(host, slot, infos[host, slot])
+            self._start(slot, places[host, slot])
 
     def _check_short(self) -> Optional[int]:
         """Fewer than min_np ranks and no slot for more: wait, then stop the job."""

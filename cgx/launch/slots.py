@@ -14,31 +14,18 @@ give the new world, as under horovodrun, and the variables keep their starting v
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable, Sequence
 
+from cgx.launch.world import Launcher, WorldInfo, horovod_env
 
-@dataclasses.dataclass(frozen=True)
-class SlotInfo:
-    hostname: str
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
 
-    def env(self) -> dict[str, str]:
-        """horovodrun's worker variables for this slot, in an elastic job."""
-        return {"HOROVOD_HOSTNAME": self.hostname, "HOROVOD_RANK": str(self.rank),
-                "HOROVOD_SIZE": str(self.size), "HOROVOD_LOCAL_RANK": str(self.local_rank),
-                "HOROVOD_LOCAL_SIZE": str(self.local_size),
-                "HOROVOD_CROSS_RANK": str(self.cross_rank),
-                "HOROVOD_CROSS_SIZE": str(self.cross_size), "HOROVOD_ELASTIC": "1"}
+def worker_env(slot: WorldInfo) -> dict[str, str]:
+    """horovodrun's worker variables for ``slot``, in an elastic job."""
+    return {**horovod_env(slot), "HOROVOD_ELASTIC": "1"}
 
 
 def assign(placed: Iterable[tuple[str, int]], host_order: Sequence[str]) -> dict:
-    """``(host, slot) -> SlotInfo`` for the ranks ``placed`` on hosts' slots, numbered as
+    """``(host, slot) -> WorldInfo`` for the ranks ``placed`` on hosts' slots, numbered as
     horovodrun numbers them: hosts in ``host_order`` (a host not in it after those that
     are, by name), slots ascending within a host."""
     where = {h: i for i, h in enumerate(host_order)}
@@ -51,9 +38,10 @@ def assign(placed: Iterable[tuple[str, int]], host_order: Sequence[str]) -> dict
     for rank, (host, slot) in enumerate(ordered):
         local_rank = by_host[host].index(slot)
         peers = [h for h in hosts if len(by_host[h]) > local_rank]
-        out[host, slot] = SlotInfo(hostname=host, rank=rank, size=len(ordered),
-                                   local_rank=local_rank, local_size=len(by_host[host]),
-                                   cross_rank=peers.index(host), cross_size=len(peers))
+        out[host, slot] = WorldInfo(rank=rank, size=len(ordered), local_rank=local_rank,
+                                    local_size=len(by_host[host]),
+                                    cross_rank=peers.index(host), cross_size=len(peers),
+                                    hostname=host, launcher=Launcher.ELASTIC)
     return out
 
 

@@ -222,6 +222,16 @@ def _read(launcher: Launcher, names: _Names, env: Mapping[str, str], **extra) ->
 _HOROVOD = _Names("horovodrun --gloo", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK",
                   "HOROVOD_LOCAL_SIZE", ("HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE"),
                   "HOROVOD_HOSTNAME")
+
+
+def horovod_env(world: WorldInfo) -> dict[str, str]:
+    """horovodrun's worker variables for ``world`` (what :func:`discover` reads back)."""
+    n = _HOROVOD
+    return {n.hostname: world.hostname, n.rank: str(world.rank), n.size: str(world.size),
+            n.local_rank: str(world.local_rank), n.local_size: str(world.local_size),
+            n.cross[0]: str(world.cross_rank), n.cross[1]: str(world.cross_size)}
+
+
 _TORCHRUN = _Names("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                    ("GROUP_RANK", "GROUP_WORLD_SIZE"))
 _OPEN_MPI = _Names("Open MPI's mpirun", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
